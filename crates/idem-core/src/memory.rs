@@ -1,0 +1,456 @@
+//! An in-process store: atomic per key, TTL expiry, caps on entries and bytes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+
+use crate::clock::{Clock, Millis, SharedClock, SystemClock};
+use crate::error::StoreError;
+use crate::store::{Begin, BeginRequest, Lease, Record, RecordState, Store};
+use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
+
+/// Bytes counted per record on top of its key, scope and response, for the byte cap.
+const RECORD_OVERHEAD: usize = 96;
+
+type RecordKey = (Scope, IdempotencyKey);
+
+/// Limits of a [`MemoryStore`].
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryLimits {
+    /// Most records kept (default 1,000,000).
+    pub max_entries: usize,
+    /// Most bytes kept, counting keys, responses and a fixed overhead per
+    /// record (default 512 MiB).
+    pub max_bytes: usize,
+}
+
+impl Default for MemoryLimits {
+    fn default() -> Self {
+        Self {
+            max_entries: 1_000_000,
+            max_bytes: 512 * 1024 * 1024,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum State {
+    InProgress {
+        fence: u64,
+        lease_until: Millis,
+        waiters: Option<Arc<Notify>>,
+    },
+    Completed {
+        response: StoredResponse,
+        expires_at: Millis,
+        seq: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Entry {
+    fingerprint: Fingerprint,
+    state: State,
+    size: usize,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    map: HashMap<Arc<RecordKey>, Entry>,
+    /// Completed records by (expiry, completion order): expired and oldest first.
+    by_expiry: BTreeMap<(Millis, u64), Arc<RecordKey>>,
+    bytes: usize,
+    next_fence: u64,
+    next_seq: u64,
+}
+
+impl Inner {
+    fn remove(&mut self, k: &RecordKey) -> Option<Entry> {
+        let e = self.map.remove(k)?;
+        self.bytes -= e.size;
+        match &e.state {
+            State::Completed {
+                expires_at, seq, ..
+            } => {
+                self.by_expiry.remove(&(*expires_at, *seq));
+            }
+            State::InProgress { waiters, .. } => {
+                if let Some(w) = waiters {
+                    w.notify_waiters();
+                }
+            }
+        }
+        Some(e)
+    }
+
+    /// Makes room for `extra` bytes and one more record, evicting expired
+    /// records, then the oldest completed ones. Live in-flight records are
+    /// never evicted: that would let a second execution start.
+    fn make_room(
+        &mut self,
+        now: Millis,
+        extra: usize,
+        limits: &MemoryLimits,
+    ) -> Result<(), StoreError> {
+        while self.map.len() + 1 > limits.max_entries || self.bytes + extra > limits.max_bytes {
+            if let Some((_, k)) = self.by_expiry.pop_first() {
+                let k = RecordKey::clone(&k);
+                self.remove(&k);
+                continue;
+            }
+            // Only in-flight records remain: drop those whose lease has ended.
+            let stale: Vec<Arc<RecordKey>> = self
+                .map
+                .iter()
+                .filter(|(_, e)| matches!(e.state, State::InProgress { lease_until, .. } if lease_until <= now))
+                .map(|(k, _)| k.clone())
+                .collect();
+            if stale.is_empty() {
+                return Err(StoreError::Full {
+                    detail: format!(
+                        "{} in-flight records, {} bytes; limits {} records, {} bytes",
+                        self.map.len(),
+                        self.bytes,
+                        limits.max_entries,
+                        limits.max_bytes
+                    ),
+                });
+            }
+            for k in stale {
+                self.remove(&k);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn entry_size(k: &RecordKey, resp: Option<&StoredResponse>) -> usize {
+    RECORD_OVERHEAD
+        + k.0.as_str().len()
+        + k.1.as_str().len()
+        + resp.map_or(0, StoredResponse::stored_size)
+}
+
+/// An in-process [`Store`]: one lock around a hash map, so every step is
+/// atomic; TTL expiry checked on access and by [`Store::purge_expired`];
+/// caps on entries and bytes where expired records, then the oldest
+/// completed ones, are evicted first. Live in-flight records are never
+/// evicted; when only they fill the store, `begin` fails with
+/// [`StoreError::Full`].
+///
+/// Fences come from one store-wide counter, so they grow across expiry.
+/// Nothing survives the process: use it for tests and single-process services.
+///
+/// ```
+/// use idem_core::{MemoryStore, ManualClock};
+/// let clock = ManualClock::starting_now();
+/// let store = MemoryStore::new().with_clock(clock.clone());
+/// ```
+#[derive(Debug, Clone)]
+pub struct MemoryStore {
+    inner: Arc<Mutex<Inner>>,
+    clock: SharedClock,
+    limits: MemoryLimits,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store with [`MemoryLimits::default`] and the system clock.
+    pub fn new() -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(Inner {
+                next_fence: 1,
+                ..Inner::default()
+            })),
+            clock: Arc::new(SystemClock),
+            limits: MemoryLimits::default(),
+        }
+    }
+
+    /// Uses `clock` for leases and expiry (a [`crate::ManualClock`] in tests).
+    pub fn with_clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Sets the caps on entries and bytes.
+    pub fn with_limits(mut self, limits: MemoryLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Number of records held, expired ones included until purged.
+    pub fn len(&self) -> usize {
+        self.lock().map.len()
+    }
+
+    /// Whether the store holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes counted against [`MemoryLimits::max_bytes`].
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave a half-applied step:
+        // every step mutates only after all checks, so the data is consistent.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn lease_lost(fence: u64) -> StoreError {
+    StoreError::LeaseLost { fence }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
+        let now = self.clock.now();
+        let mut g = self.lock();
+        let k: RecordKey = (req.scope.clone(), req.key.clone());
+        if let Some(e) = g.map.get(&k) {
+            match &e.state {
+                State::InProgress { lease_until, .. } if *lease_until > now => {
+                    return Ok(if e.fingerprint == req.fingerprint {
+                        Begin::InFlight {
+                            retry_after: now.until(*lease_until),
+                        }
+                    } else {
+                        Begin::Mismatch
+                    });
+                }
+                State::Completed {
+                    response,
+                    expires_at,
+                    ..
+                } if *expires_at > now => {
+                    return Ok(if e.fingerprint == req.fingerprint {
+                        Begin::Replay(response.clone())
+                    } else {
+                        Begin::Mismatch
+                    });
+                }
+                _ => {
+                    g.remove(&k);
+                }
+            }
+        }
+        let size = entry_size(&k, None);
+        let limits = self.limits;
+        g.make_room(now, size, &limits)?;
+        let fence = g.next_fence;
+        g.next_fence += 1;
+        let until = now.add(req.lease);
+        g.bytes += size;
+        g.map.insert(
+            Arc::new(k),
+            Entry {
+                fingerprint: req.fingerprint,
+                state: State::InProgress {
+                    fence,
+                    lease_until: until,
+                    waiters: None,
+                },
+                size,
+            },
+        );
+        Ok(Begin::Acquired(Lease {
+            scope: req.scope.clone(),
+            key: req.key.clone(),
+            fence,
+            until,
+        }))
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let now = self.clock.now();
+        let mut g = self.lock();
+        let k: RecordKey = (lease.scope.clone(), lease.key.clone());
+        let (arc_key, fingerprint) = match g.map.get_key_value(&k) {
+            Some((ak, e)) if matches!(e.state, State::InProgress { fence, lease_until, .. } if fence == lease.fence && lease_until > now) => {
+                (ak.clone(), e.fingerprint)
+            }
+            _ => return Err(lease_lost(lease.fence)),
+        };
+        let old = g.remove(&k).map(|e| e.size).unwrap_or(0);
+        let size = entry_size(&k, Some(response));
+        let limits = self.limits;
+        if let Err(e) = g.make_room(now, size, &limits) {
+            // Put the claim back so the key stays in flight: never freed for a second run.
+            g.bytes += old;
+            g.map.insert(
+                arc_key,
+                Entry {
+                    fingerprint,
+                    state: State::InProgress {
+                        fence: lease.fence,
+                        lease_until: lease.until,
+                        waiters: None,
+                    },
+                    size: old,
+                },
+            );
+            return Err(e);
+        }
+        let seq = g.next_seq;
+        g.next_seq += 1;
+        let expires_at = now.add(ttl);
+        g.bytes += size;
+        g.by_expiry.insert((expires_at, seq), arc_key.clone());
+        g.map.insert(
+            arc_key,
+            Entry {
+                fingerprint,
+                state: State::Completed {
+                    response: response.clone(),
+                    expires_at,
+                    seq,
+                },
+                size,
+            },
+        );
+        Ok(())
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        let now = self.clock.now();
+        let mut g = self.lock();
+        let k: RecordKey = (lease.scope.clone(), lease.key.clone());
+        match g.map.get(&k) {
+            Some(e) if matches!(e.state, State::InProgress { fence, lease_until, .. } if fence == lease.fence && lease_until > now) =>
+            {
+                g.remove(&k);
+                Ok(())
+            }
+            _ => Err(lease_lost(lease.fence)),
+        }
+    }
+
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        let now = self.clock.now();
+        let mut g = self.lock();
+        let k: RecordKey = (lease.scope.clone(), lease.key.clone());
+        match g.map.get_mut(&k).map(|e| &mut e.state) {
+            Some(State::InProgress {
+                fence, lease_until, ..
+            }) if *fence == lease.fence && *lease_until > now => {
+                *lease_until = now.add(lease_for);
+                Ok(Lease {
+                    until: *lease_until,
+                    ..lease.clone()
+                })
+            }
+            _ => Err(lease_lost(lease.fence)),
+        }
+    }
+
+    async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        let now = self.clock.now();
+        let g = self.lock();
+        let k: RecordKey = (scope.clone(), key.clone());
+        Ok(g.map.get(&k).and_then(|e| {
+            let state = match &e.state {
+                State::InProgress {
+                    fence, lease_until, ..
+                } if *lease_until > now => RecordState::InProgress {
+                    fence: *fence,
+                    lease_until: *lease_until,
+                },
+                State::Completed {
+                    response,
+                    expires_at,
+                    ..
+                } if *expires_at > now => RecordState::Completed {
+                    response: response.clone(),
+                    expires_at: *expires_at,
+                },
+                _ => return None,
+            };
+            Some(Record {
+                fingerprint: e.fingerprint,
+                state,
+            })
+        }))
+    }
+
+    async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let mut g = self.lock();
+        Ok(g.remove(&(scope.clone(), key.clone())).is_some())
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let now = self.clock.now();
+        let mut g = self.lock();
+        let mut n = 0;
+        while let Some((&(at, _), _)) = g.by_expiry.first_key_value() {
+            if at > now {
+                break;
+            }
+            let (_, k) = g.by_expiry.pop_first().expect("checked non-empty");
+            let k = RecordKey::clone(&k);
+            g.remove(&k);
+            n += 1;
+        }
+        let stale: Vec<Arc<RecordKey>> = g
+            .map
+            .iter()
+            .filter(|(_, e)| matches!(e.state, State::InProgress { lease_until, .. } if lease_until <= now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in stale {
+            g.remove(&k);
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    async fn wait_for_change(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        max: Duration,
+    ) -> Result<(), StoreError> {
+        let k: RecordKey = (scope.clone(), key.clone());
+        let (notify, fence) = {
+            let mut g = self.lock();
+            match g.map.get_mut(&k).map(|e| &mut e.state) {
+                Some(State::InProgress { waiters, fence, .. }) => (
+                    waiters
+                        .get_or_insert_with(|| Arc::new(Notify::new()))
+                        .clone(),
+                    *fence,
+                ),
+                _ => return Ok(()),
+            }
+        };
+        let notified = notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        // Re-check after registering: a change between the first look and
+        // `enable` would otherwise be missed until `max`.
+        let unchanged = {
+            let g = self.lock();
+            matches!(g.map.get(&k).map(|e| &e.state), Some(State::InProgress { fence: f, .. }) if *f == fence)
+        };
+        if unchanged {
+            let _ = tokio::time::timeout(max, notified).await;
+        }
+        Ok(())
+    }
+}
