@@ -282,10 +282,13 @@ impl Store for MemoryStore {
         let now = self.clock.now();
         let mut g = self.lock();
         let k: RecordKey = (lease.scope.clone(), lease.key.clone());
-        let (arc_key, fingerprint) = match g.map.get_key_value(&k) {
-            Some((ak, e)) if matches!(e.state, State::InProgress { fence, lease_until, .. } if fence == lease.fence && lease_until > now) => {
-                (ak.clone(), e.fingerprint)
-            }
+        let (arc_key, fingerprint, lease_until) = match g.map.get_key_value(&k) {
+            Some((ak, e)) => match e.state {
+                State::InProgress {
+                    fence, lease_until, ..
+                } if fence == lease.fence => (ak.clone(), e.fingerprint, lease_until),
+                _ => return Err(lease_lost(lease.fence)),
+            },
             _ => return Err(lease_lost(lease.fence)),
         };
         let old = g.remove(&k).map(|e| e.size).unwrap_or(0);
@@ -300,7 +303,7 @@ impl Store for MemoryStore {
                     fingerprint,
                     state: State::InProgress {
                         fence: lease.fence,
-                        lease_until: lease.until,
+                        lease_until,
                         waiters: None,
                     },
                     size: old,
@@ -329,11 +332,10 @@ impl Store for MemoryStore {
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        let now = self.clock.now();
         let mut g = self.lock();
         let k: RecordKey = (lease.scope.clone(), lease.key.clone());
         match g.map.get(&k) {
-            Some(e) if matches!(e.state, State::InProgress { fence, lease_until, .. } if fence == lease.fence && lease_until > now) =>
+            Some(e) if matches!(e.state, State::InProgress { fence, .. } if fence == lease.fence) =>
             {
                 g.remove(&k);
                 Ok(())
@@ -349,7 +351,7 @@ impl Store for MemoryStore {
         match g.map.get_mut(&k).map(|e| &mut e.state) {
             Some(State::InProgress {
                 fence, lease_until, ..
-            }) if *fence == lease.fence && *lease_until > now => {
+            }) if *fence == lease.fence => {
                 *lease_until = now.add(lease_for);
                 Ok(Lease {
                     until: *lease_until,

@@ -118,6 +118,12 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// Stores `response` for the key held by `lease` and keeps it for `ttl`
     /// (millisecond precision), only if `lease.fence` is still current.
     ///
+    /// "Current" means the record is in progress with exactly this fence. A
+    /// lease that has run out but was not taken over (and not purged) is
+    /// still current: storing the finished result then prevents a second
+    /// run. Once another caller acquired the key, or the record was purged,
+    /// the fence is stale. The same rule holds for `release` and `extend`.
+    ///
     /// # Errors
     /// [`StoreError::LeaseLost`] when the fence is not current (nothing is
     /// written); availability errors as for `begin` — after a timeout the
