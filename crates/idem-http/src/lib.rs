@@ -4,14 +4,83 @@
 //! carrying an `Idempotency-Key` header take effect once (IETF httpapi draft
 //! "The Idempotency-Key HTTP Header Field"). Works in axum and plain hyper.
 //!
-//! API CONTRACT (stub written by the lead; the HTTP-layer helper fills it in,
-//! the gateway builds against it — keep these names and shapes).
+//! For every guarded request (POST and PATCH by default) that carries a key,
+//! the layer
+//!
+//! 1. parses the key ([`key`]: an RFC 8941 sf-string or a bare token; 400 on
+//!    anything else, or on two `Idempotency-Key` fields);
+//! 2. derives the caller's [`Scope`] ([`ScopeBy`]: by default a SHA-256 of
+//!    every `Authorization` field, in order);
+//! 3. reads the body (at most [`Options::max_body`] bytes, else 413) and
+//!    fingerprints method, path, query, `Content-Type` and body, with JSON
+//!    bodies canonicalised by RFC 8785 ([`fingerprint`]);
+//! 4. claims the key in the store through [`idem_core::Engine::execute`] and
+//!    either runs the inner service once, or answers with the stored
+//!    response (plus `Idempotent-Replayed: true`), a 409 with `Retry-After`
+//!    while the original is in flight, or a 422 when the key was used for a
+//!    different request;
+//! 5. stores the response ([`Disposition`], [`default_policy`]) **before**
+//!    answering the first caller.
+//!
+//! Guarded requests run in a spawned task, so a client that disconnects
+//! does not cancel the inner call or the save. Requests of other methods,
+//! and guarded requests without a key, stream through untouched.
+//! Every error the layer itself produces is `application/problem+json`
+//! (RFC 9457, [`problem()`]).
+//!
+//! | response                           | when                                                      |
+//! |------------------------------------|-----------------------------------------------------------|
+//! | the inner service's                | first execution (stored before it is sent)                |
+//! | stored one + `Idempotent-Replayed` | same key, same request, completed                         |
+//! | 400 `invalid-key`, `multiple-keys`, `key-required`, `body-unreadable` | bad header, body read error |
+//! | 409 `in-flight` + `Retry-After`    | same key, same request, still running                     |
+//! | 410 `response-not-retained`        | the original's body was larger than the retention limit   |
+//! | 413 `body-too-large`               | request body larger than [`Options::max_body`]            |
+//! | 422 `key-mismatch`                 | same key, different method/path/query/content type/body   |
+//! | 500 `corrupt-record`, `internal`   | undecodable record; the inner service panicked            |
+//! | 503 `store-unavailable`, `store-full` | the store failed before the run (the inner service is not called) |
+//!
+//! ## Example (axum 0.8)
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use axum::{routing::post, Router};
+//! use idem_core::MemoryStore;
+//! use idem_http::IdempotencyLayer;
+//!
+//! # async fn run() -> std::io::Result<()> {
+//! let layer = IdempotencyLayer::new(MemoryStore::new())
+//!     .with_ttl(Duration::from_secs(24 * 3600))
+//!     .with_wait(Duration::from_secs(2));
+//! let app = Router::new()
+//!     .route("/orders", post(|| async { (axum::http::StatusCode::CREATED, "order 1") }))
+//!     .layer(layer);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, app).await
+//! # }
+//! ```
 
-use std::time::Duration;
+mod body;
+pub mod fingerprint;
+mod future;
+pub mod key;
+mod layer;
+mod policy;
+mod problem;
+pub mod replay;
+mod scope;
+mod service;
 
 use bytes::Bytes;
-use http::{HeaderName, Method};
-use idem_core::{DynStore, Scope};
+pub use idem_core::{DynStore, Scope};
+
+pub use future::ResponseFuture;
+pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use layer::{IdempotencyLayer, Options};
+pub use policy::{default_policy, Disposition};
+pub use problem::{problem, Problem, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
+pub use scope::ScopeBy;
+pub use service::IdempotencyService;
 
 /// A boxed body error.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -19,74 +88,3 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// The body type the layer hands to the inner service and returns:
 /// guarded requests carry a buffered body, others stream through untouched.
 pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
-
-/// An inner service may put this in its response's extensions to override
-/// the status-code policy for that response (the gateway marks a 502 for an
-/// unreachable upstream `Release` and a 504 for a timeout `Hold`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Disposition {
-    /// Store and replay this response.
-    Store,
-    /// Free the key; a retry runs again.
-    Release,
-    /// Keep the key in flight until its lease ends (outcome unknown).
-    Hold,
-}
-
-/// How the scope of a request is derived.
-#[derive(Debug, Clone)]
-pub enum ScopeBy {
-    /// SHA-256 over every value of these headers, in order (default:
-    /// `Authorization`); none present → the anonymous scope.
-    Headers(Vec<HeaderName>),
-    /// One fixed scope for every request.
-    Fixed(Scope),
-}
-
-/// Settings of the layer (builder methods on [`IdempotencyLayer`]).
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// Guarded methods (default POST, PATCH).
-    pub methods: Vec<Method>,
-    /// Answer 400 to a guarded request without a key (default false).
-    pub require_key: bool,
-    /// Scope derivation (default `Headers([Authorization])`).
-    pub scope: ScopeBy,
-    /// Largest guarded request body, bytes (default 10 MiB) → 413 beyond.
-    pub max_body: usize,
-    /// Largest response body kept for replay, bytes (default 1 MiB).
-    pub retention_limit: usize,
-    /// Lease (default 30 s).
-    pub lease: Duration,
-    /// Replay window (default 24 h).
-    pub ttl: Duration,
-    /// How long a duplicate waits for an in-flight original (default 0).
-    pub wait: Duration,
-    /// Which statuses are stored; the rest are released
-    /// (default: 1xx–4xx except 408, 409, 425, 429).
-    pub policy: fn(http::StatusCode) -> Disposition,
-}
-
-/// The tower layer. `IdempotencyLayer::new(store)` then `with_*` builders:
-/// `with_methods(Vec<Method>)`, `with_require_key(bool)`, `with_scope(ScopeBy)`,
-/// `with_max_body(usize)`, `with_retention_limit(usize)`, `with_lease(Duration)`,
-/// `with_ttl(Duration)`, `with_wait(Duration)`, `with_policy(fn)`.
-#[derive(Debug, Clone)]
-pub struct IdempotencyLayer {
-    #[allow(dead_code)]
-    store: DynStore,
-    #[allow(dead_code)]
-    options: Options,
-}
-
-// The service: `IdempotencyService<S>` implements
-//   Service<http::Request<B>>  where B: http_body::Body<Data = Bytes> + Send + 'static, B::Error: Into<BoxError>
-//   with Response = http::Response<BoxBody>, Error = S::Error,
-//   for S: Service<http::Request<BoxBody>, Response = http::Response<RB>> + Clone + Send + 'static,
-//        S::Future: Send, S::Error: Send, RB: http_body::Body<Data = Bytes> + Send + 'static, RB::Error: Into<BoxError>.
-// Guarded requests run in a spawned task, so a client that disconnects does not
-// cancel the upstream call or the save.
-//
-// Also public: `problem(status, kind, detail) -> Response<BoxBody>` building an
-// RFC 9457 problem+json response with `type = "urn:idem:problem:<kind>"`, used by
-// the gateway for 502/503/504 and /_idem/ endpoints.

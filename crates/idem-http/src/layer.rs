@@ -1,0 +1,302 @@
+//! The layer and its settings.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Method, StatusCode};
+use idem_core::{Action, DynStore, Engine, EngineConfig, Store};
+use tower_layer::Layer;
+
+use crate::policy::{default_policy, Disposition};
+use crate::scope::ScopeBy;
+use crate::service::IdempotencyService;
+
+/// Settings of the layer (builder methods on [`IdempotencyLayer`]).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Guarded methods (default POST, PATCH).
+    pub methods: Vec<Method>,
+    /// Answer 400 to a guarded request without a key (default false).
+    pub require_key: bool,
+    /// Scope derivation (default `Headers([Authorization])`).
+    pub scope: ScopeBy,
+    /// Largest guarded request body, bytes (default 10 MiB) → 413 beyond.
+    pub max_body: usize,
+    /// Largest response body kept for replay, bytes (default 1 MiB).
+    pub retention_limit: usize,
+    /// Lease (default 30 s).
+    pub lease: Duration,
+    /// Replay window (default 24 h).
+    pub ttl: Duration,
+    /// How long a duplicate waits for an in-flight original (default 0).
+    pub wait: Duration,
+    /// Which statuses are stored; the rest are released
+    /// (default: 1xx–4xx except 408, 409, 425, 429).
+    pub policy: fn(http::StatusCode) -> Disposition,
+}
+
+/// 10 MiB.
+const DEFAULT_MAX_BODY: usize = 10 * 1024 * 1024;
+/// 1 MiB.
+const DEFAULT_RETENTION_LIMIT: usize = 1024 * 1024;
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            methods: vec![Method::POST, Method::PATCH],
+            require_key: false,
+            scope: ScopeBy::default(),
+            max_body: DEFAULT_MAX_BODY,
+            retention_limit: DEFAULT_RETENTION_LIMIT,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(24 * 3600),
+            wait: Duration::ZERO,
+            policy: default_policy,
+        }
+    }
+}
+
+impl Options {
+    /// The engine settings these options imply: `lease`, `ttl`, `wait`, a
+    /// watchdog that renews the lease every third of its length, and
+    /// `Hold` when a run is dropped mid-flight (a panicking inner service):
+    /// the key frees itself when its lease ends.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            lease: self.lease,
+            ttl: self.ttl,
+            wait: self.wait,
+            watchdog: true,
+            on_cancel: Action::Hold,
+        }
+    }
+}
+
+/// The tower layer. `IdempotencyLayer::new(store)` then `with_*` builders:
+/// `with_methods(Vec<Method>)`, `with_require_key(bool)`, `with_scope(ScopeBy)`,
+/// `with_max_body(usize)`, `with_retention_limit(usize)`, `with_lease(Duration)`,
+/// `with_ttl(Duration)`, `with_wait(Duration)`, `with_policy(fn)`.
+///
+/// It wraps a service into an [`IdempotencyService`]; see the
+/// [crate docs](crate) for the behaviour.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::MemoryStore;
+/// use idem_http::IdempotencyLayer;
+/// let layer = IdempotencyLayer::new(MemoryStore::new())
+///     .with_require_key(true)
+///     .with_lease(Duration::from_secs(10));
+/// assert_eq!(layer.options().lease, Duration::from_secs(10));
+/// ```
+#[derive(Debug, Clone)]
+pub struct IdempotencyLayer {
+    store: DynStore,
+    options: Options,
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store` (any [`Store`], including a [`DynStore`]) with
+    /// [`Options::default`].
+    pub fn new(store: impl Store) -> Self {
+        Self {
+            store: Arc::new(store),
+            options: Options::default(),
+        }
+    }
+
+    /// A layer over a shared store with explicit options.
+    pub fn from_parts(store: DynStore, options: Options) -> Self {
+        Self { store, options }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &DynStore {
+        &self.store
+    }
+
+    /// The settings.
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
+    /// Replaces all settings.
+    ///
+    /// ```
+    /// use idem_http::{IdempotencyLayer, Options};
+    /// let layer = IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_options(Options { require_key: true, ..Options::default() });
+    /// assert!(layer.options().require_key);
+    /// ```
+    pub fn with_options(mut self, options: Options) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// The guarded methods (default POST and PATCH). Requests of other
+    /// methods stream through untouched.
+    ///
+    /// ```
+    /// use http::Method;
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_methods(vec![Method::POST, Method::PATCH, Method::PUT, Method::DELETE]);
+    /// assert_eq!(layer.options().methods.len(), 4);
+    /// ```
+    pub fn with_methods(mut self, methods: Vec<Method>) -> Self {
+        self.options.methods = methods;
+        self
+    }
+
+    /// Whether a guarded request without an `Idempotency-Key` is refused
+    /// with 400 `urn:idem:problem:key-required` (default false: it passes
+    /// through and the store is not touched).
+    ///
+    /// ```
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_require_key(true);
+    /// assert!(layer.options().require_key);
+    /// ```
+    pub fn with_require_key(mut self, require: bool) -> Self {
+        self.options.require_key = require;
+        self
+    }
+
+    /// How a request's scope is derived (default: SHA-256 of every
+    /// `Authorization` field; none → the anonymous scope).
+    ///
+    /// ```
+    /// use idem_http::ScopeBy;
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_scope(ScopeBy::Headers(vec![http::HeaderName::from_static("x-api-key")]));
+    /// assert!(matches!(layer.options().scope, ScopeBy::Headers(_)));
+    /// ```
+    pub fn with_scope(mut self, scope: ScopeBy) -> Self {
+        self.options.scope = scope;
+        self
+    }
+
+    /// The largest guarded request body, in bytes (default 10 MiB = 10,485,760).
+    /// A larger one gets 413 `urn:idem:problem:body-too-large` before any
+    /// store or inner work.
+    ///
+    /// ```
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_max_body(64 * 1024);
+    /// assert_eq!(layer.options().max_body, 65_536);
+    /// ```
+    pub fn with_max_body(mut self, bytes: usize) -> Self {
+        self.options.max_body = bytes;
+        self
+    }
+
+    /// The largest response body kept for replay, in bytes (default 1 MiB =
+    /// 1,048,576). The first caller always gets the whole response; past the
+    /// limit the key completes without the body and a duplicate gets 410
+    /// `urn:idem:problem:response-not-retained` (never a second execution).
+    ///
+    /// ```
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_retention_limit(256 * 1024);
+    /// assert_eq!(layer.options().retention_limit, 262_144);
+    /// ```
+    pub fn with_retention_limit(mut self, bytes: usize) -> Self {
+        self.options.retention_limit = bytes;
+        self
+    }
+
+    /// How long a claim holds before another request may take the key over
+    /// (default 30 s; millisecond precision). Renewed every third of its
+    /// length while the inner service runs; also the longest a key stays
+    /// in flight after a crash or an unknown outcome.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_lease(Duration::from_millis(1500));
+    /// assert_eq!(layer.options().lease, Duration::from_millis(1500));
+    /// ```
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.options.lease = lease;
+        self
+    }
+
+    /// How long a completed response is replayed (default 24 h).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_ttl(Duration::from_secs(3600));
+    /// assert_eq!(layer.options().ttl, Duration::from_secs(3600));
+    /// ```
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.options.ttl = ttl;
+        self
+    }
+
+    /// How long a duplicate waits for an in-flight original to finish
+    /// before it gets 409 (default 0: answer at once). Within the bound it
+    /// gets the original's replay.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_wait(Duration::from_secs(5));
+    /// assert_eq!(layer.options().wait, Duration::from_secs(5));
+    /// ```
+    pub fn with_wait(mut self, wait: Duration) -> Self {
+        self.options.wait = wait;
+        self
+    }
+
+    /// Which statuses are stored, released or held (default
+    /// [`default_policy`]). A [`Disposition`] in a response's extensions
+    /// overrides it for that response.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use idem_http::{default_policy, Disposition};
+    /// fn keep_only_success(s: StatusCode) -> Disposition {
+    ///     if s.is_success() { Disposition::Store } else { Disposition::Release }
+    /// }
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_policy(keep_only_success);
+    /// assert_eq!((layer.options().policy)(StatusCode::NOT_FOUND), Disposition::Release);
+    /// ```
+    pub fn with_policy(mut self, policy: fn(StatusCode) -> Disposition) -> Self {
+        self.options.policy = policy;
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let engine = Engine::with_config(self.store.clone(), self.options.engine_config());
+        IdempotencyService::new(inner, engine, Arc::new(self.options.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secure_defaults() {
+        let o = Options::default();
+        assert_eq!(o.methods, vec![Method::POST, Method::PATCH]);
+        assert!(!o.require_key);
+        assert_eq!(o.max_body, 10 * 1024 * 1024);
+        assert_eq!(o.retention_limit, 1024 * 1024);
+        assert_eq!(o.lease, Duration::from_secs(30));
+        assert_eq!(o.ttl, Duration::from_secs(86_400));
+        assert_eq!(o.wait, Duration::ZERO);
+        assert_eq!(
+            (o.policy)(StatusCode::INTERNAL_SERVER_ERROR),
+            Disposition::Release
+        );
+        let c = o.engine_config();
+        assert!(c.watchdog);
+        assert_eq!(c.on_cancel, Action::Hold);
+    }
+}

@@ -1,0 +1,610 @@
+//! The service: one request through the key protocol.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use idem_core::{
+    Action, DynStore, Engine, Fingerprint, IdempotencyKey, Outcome, Saved, Scope, StoreError,
+};
+use tower_service::Service;
+
+use crate::body::Prefixed;
+use crate::fingerprint::request_fingerprint;
+use crate::future::ResponseFuture;
+use crate::key::{key_from_headers, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use crate::layer::Options;
+use crate::policy::Disposition;
+use crate::problem::Problem;
+use crate::replay::{replay_response, to_stored};
+use crate::{BoxBody, BoxError};
+
+/// The service made by [`crate::IdempotencyLayer`].
+///
+/// It implements `Service<http::Request<B>>` with
+/// `Response = http::Response<BoxBody>` and `Error = S::Error` for
+///
+/// - `S: Service<http::Request<BoxBody>, Response = http::Response<RB>> + Clone + Send + 'static`,
+///   `S::Future: Send + 'static`, `S::Error: Send + 'static`;
+/// - `B: http_body::Body<Data = Bytes> + Send + 'static`, `B::Error: Into<BoxError>`;
+/// - `RB: http_body::Body<Data = Bytes> + Send + 'static`, `RB::Error: Into<BoxError>`.
+///
+/// Guarded requests run in a spawned task (when a tokio runtime is
+/// present), so a client that disconnects does not cancel the inner call or
+/// the save. An inner `Err` releases the key and is returned as is.
+#[derive(Debug, Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    engine: Engine<DynStore>,
+    options: Arc<Options>,
+}
+
+impl<S> IdempotencyService<S> {
+    pub(crate) fn new(inner: S, engine: Engine<DynStore>, options: Arc<Options>) -> Self {
+        Self {
+            inner,
+            engine,
+            options,
+        }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The settings.
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+}
+
+impl<S, B, RB> Service<Request<B>> for IdempotencyService<S>
+where
+    S: Service<Request<BoxBody>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    type Response = Response<BoxBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // Take the service that was driven to readiness; leave a clone.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let options = self.options.clone();
+
+        if !options.methods.contains(req.method()) {
+            return pass_through(&mut inner, req);
+        }
+        let log = LogCtx {
+            started: Instant::now(),
+            method: req.method().clone(),
+            path: req.uri().path().to_owned(),
+            key: String::new(),
+        };
+        let key = match key_from_headers(req.headers()) {
+            Ok(Some(key)) => key,
+            Ok(None) if !options.require_key => return pass_through(&mut inner, req),
+            Ok(None) => {
+                return ready(log.rejected(Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "key-required",
+                    "This request must carry an Idempotency-Key header.",
+                )));
+            }
+            Err(e) => {
+                let log = LogCtx {
+                    key: raw_key_for_log(req.headers()),
+                    ..log
+                };
+                let kind = match e {
+                    KeyHeaderError::Multiple { .. } => "multiple-keys",
+                    _ => "invalid-key",
+                };
+                return ready(log.rejected(Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    kind,
+                    format!(
+                        "{e}. An Idempotency-Key is 1 to 255 characters of 0x20-0x7E, not all \
+                         blank, sent bare or as a structured-field string (\"key\")."
+                    ),
+                )));
+            }
+        };
+        let log = LogCtx {
+            key: key.as_str().to_owned(),
+            ..log
+        };
+        let scope = options.scope.scope_of(req.headers());
+        if let Some(len) = content_length(req.headers()) {
+            if len > options.max_body as u64 {
+                return ready(log.rejected(too_large(options.max_body)));
+            }
+        }
+        let guarded = Guarded {
+            engine: self.engine.clone(),
+            options,
+            scope,
+            key,
+            log,
+        };
+        guarded.respond::<S, S::Future, S::Error, B, RB>(inner, req)
+    }
+}
+
+/// Everything a guarded request needs once its body is read.
+struct Guarded {
+    engine: Engine<DynStore>,
+    options: Arc<Options>,
+    scope: Scope,
+    key: IdempotencyKey,
+    log: LogCtx,
+}
+
+impl Guarded {
+    /// Reads the body (413/400 on failure, key untouched), fingerprints the
+    /// request, then runs [`Guarded::run`] in a spawned task.
+    ///
+    /// Generic over the inner service's future `F` and error `E` (rather
+    /// than naming `S::Future` / `S::Error` inside the async block) so the
+    /// future is provably `Send`.
+    fn respond<S, F, E, B, RB>(self, inner: S, req: Request<B>) -> ResponseFuture<E>
+    where
+        S: Service<Request<BoxBody>, Response = Response<RB>, Future = F, Error = E>
+            + Send
+            + 'static,
+        F: std::future::Future<Output = Result<Response<RB>, E>> + Send + 'static,
+        E: Send + 'static,
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+        RB: Body<Data = Bytes> + Send + 'static,
+        RB::Error: Into<BoxError>,
+    {
+        ResponseFuture::new(async move {
+            let max_body = self.options.max_body;
+            let log = self.log.clone();
+            let (parts, body) = req.into_parts();
+            let bytes = match Limited::new(body, max_body).collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                    return Ok(log.rejected(too_large(max_body)));
+                }
+                Err(e) => {
+                    return Ok(log.rejected(Problem::new(
+                        StatusCode::BAD_REQUEST,
+                        "body-unreadable",
+                        format!("The request body could not be read: {e}"),
+                    )));
+                }
+            };
+            let fingerprint =
+                request_fingerprint(&parts.method, &parts.uri, &parts.headers, &bytes);
+            let req = Request::from_parts(parts, full(bytes));
+            let job = self.run::<S, F, E, RB>(inner, req, fingerprint);
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => match rt.spawn(job).await {
+                    Ok(result) => result,
+                    Err(e) => {
+                        // The inner service panicked (or the runtime is
+                        // shutting down). The engine's guard left the key to
+                        // its lease, so it is not stuck.
+                        tracing::error!(target: "idem", key = %log.key, error = %e, "the guarded request's task failed");
+                        Ok(log.finish(
+                            "executed",
+                            Problem::new(
+                                StatusCode::INTERNAL_SERVER_ERROR,
+                                "internal",
+                                "The request failed unexpectedly. Its outcome is unknown; \
+                                 a retry with the same key is accepted once the key's lease ends.",
+                            )
+                            .into_response(),
+                            Some("held"),
+                        ))
+                    }
+                },
+                Err(_) => job.await,
+            }
+        })
+    }
+
+    async fn run<S, F, E, RB>(
+        self,
+        mut inner: S,
+        req: Request<BoxBody>,
+        fingerprint: Fingerprint,
+    ) -> Result<Response<BoxBody>, E>
+    where
+        S: Service<Request<BoxBody>, Response = Response<RB>, Future = F, Error = E>,
+        F: std::future::Future<Output = Result<Response<RB>, E>>,
+        RB: Body<Data = Bytes> + Send + 'static,
+        RB::Error: Into<BoxError>,
+    {
+        let Guarded {
+            engine,
+            options,
+            scope,
+            key,
+            log,
+        } = self;
+        let policy = options.policy;
+        let retention_limit = options.retention_limit;
+        let outcome = engine
+            .execute(&scope, &key, fingerprint, move |_lease| async move {
+                match inner.call(req).await {
+                    Err(e) => (Err(e), Action::Release),
+                    Ok(resp) => {
+                        let (resp, action) = first_response(resp, policy, retention_limit).await;
+                        (Ok(resp), action)
+                    }
+                }
+            })
+            .await;
+        match outcome {
+            Err(e) => Ok(log.rejected(store_problem(&key, &e))),
+            Ok(Outcome::Executed { value, saved, .. }) => {
+                let saved = match &saved {
+                    Saved::Stored => "stored",
+                    Saved::Released => "released",
+                    Saved::Held => "held",
+                    Saved::LeaseLost => {
+                        tracing::warn!(target: "idem", key = %key, "the lease was lost before the result was saved; a newer run owns the key");
+                        "lease-lost"
+                    }
+                    Saved::Failed(e) => {
+                        tracing::error!(target: "idem", key = %key, error = %e, "saving the result failed; answering the first caller anyway, the key is held until its lease ends");
+                        "failed"
+                    }
+                };
+                match value {
+                    Ok(resp) => Ok(log.finish("executed", resp, Some(saved))),
+                    Err(e) => {
+                        log.inner_error(saved);
+                        Err(e)
+                    }
+                }
+            }
+            Ok(Outcome::Replayed(stored)) => {
+                Ok(log.finish("replayed", replay_response(&stored), None))
+            }
+            Ok(Outcome::InFlight { retry_after }) => {
+                let secs = retry_after_secs(retry_after);
+                let resp = Problem::new(
+                    StatusCode::CONFLICT,
+                    "in-flight",
+                    format!(
+                        "A request with this Idempotency-Key is still being processed. \
+                         Retry after {secs} s."
+                    ),
+                )
+                .with_header(header::RETRY_AFTER, HeaderValue::from(secs))
+                .into_response();
+                Ok(log.finish("in-flight", resp, None))
+            }
+            Ok(Outcome::Mismatch) => {
+                let resp = Problem::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "key-mismatch",
+                    "This Idempotency-Key was already used for a different request (its \
+                     method, path, query, content type or body differ). Use a new key for a \
+                     new request.",
+                )
+                .into_response();
+                Ok(log.finish("mismatch", resp, None))
+            }
+        }
+    }
+}
+
+/// Calls `inner` with the request's body boxed, and boxes the response body:
+/// no buffering, no limit.
+fn pass_through<S, B, RB>(inner: &mut S, req: Request<B>) -> ResponseFuture<S::Error>
+where
+    S: Service<Request<BoxBody>, Response = Response<RB>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    boxed_response(inner.call(req.map(|b| b.map_err(Into::into).boxed_unsync())))
+}
+
+/// The inner service's future with its response body boxed. Generic over
+/// the future (not `S::Future`) so the async block is provably `Send`.
+fn boxed_response<F, E, RB>(fut: F) -> ResponseFuture<E>
+where
+    F: std::future::Future<Output = Result<Response<RB>, E>> + Send + 'static,
+    E: Send + 'static,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    ResponseFuture::new(async move {
+        let resp = fut.await?;
+        Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))
+    })
+}
+
+fn ready<E: Send + 'static>(resp: Response<BoxBody>) -> ResponseFuture<E> {
+    ResponseFuture::new(std::future::ready(Ok(resp)))
+}
+
+fn full(bytes: Bytes) -> BoxBody {
+    Full::new(bytes)
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+fn too_large(max: usize) -> Problem {
+    Problem::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body-too-large",
+        format!("The request body is larger than {max} bytes."),
+    )
+    .with_member("max_body", max)
+}
+
+/// Whole seconds left on a lease, rounded up, at least 1.
+fn retry_after_secs(left: Duration) -> u64 {
+    (left.as_secs() + u64::from(left.subsec_nanos() > 0)).max(1)
+}
+
+fn store_problem(key: &IdempotencyKey, e: &StoreError) -> Problem {
+    match e {
+        StoreError::Corrupt { .. } => {
+            tracing::error!(target: "idem", key = %key, error = %e, "corrupt idempotency record");
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "corrupt-record",
+                "The stored record for this Idempotency-Key is corrupt; the request was not run.",
+            )
+        }
+        StoreError::Full { .. } => {
+            tracing::error!(target: "idem", key = %key, error = %e, "idempotency store full");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-full",
+                "The idempotency store is full; the request was not run. Retry later.",
+            )
+        }
+        _ => {
+            tracing::error!(target: "idem", key = %key, error = %e, "idempotency store unavailable");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "The idempotency store is unavailable; the request was not run. Retry later.",
+            )
+        }
+    }
+}
+
+/// What the inner service's response becomes, and what to do with the key.
+async fn first_response<RB>(
+    resp: Response<RB>,
+    policy: fn(StatusCode) -> Disposition,
+    retention_limit: usize,
+) -> (Response<BoxBody>, Action)
+where
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let (mut parts, body) = resp.into_parts();
+    // Only replays say they are replays.
+    parts.headers.remove(IDEMPOTENT_REPLAYED);
+    let disposition = parts
+        .extensions
+        .get::<Disposition>()
+        .copied()
+        .unwrap_or_else(|| policy(parts.status));
+    let body: BoxBody = body.map_err(Into::into).boxed_unsync();
+    let (body, action) = match disposition {
+        Disposition::Release => (body, Action::Release),
+        Disposition::Hold => (body, Action::Hold),
+        Disposition::Store => match capture(body, retention_limit).await {
+            Captured::Complete { data, trailers } => {
+                let stored = to_stored(parts.status, &parts.headers, data.clone(), false);
+                (
+                    Prefixed::complete(data, trailers).boxed_unsync(),
+                    Action::Store(stored),
+                )
+            }
+            Captured::OverLimit { prefix, rest } => {
+                // Complete now (status and headers, no body), then stream on.
+                let stored = to_stored(parts.status, &parts.headers, Bytes::new(), true);
+                (
+                    Prefixed::then(prefix, rest).boxed_unsync(),
+                    Action::Store(stored),
+                )
+            }
+            Captured::Failed { prefix, error } => {
+                // The outcome is unknown: hold the key until its lease ends.
+                tracing::warn!(target: "idem", error = %error, "the response body failed; the key is held until its lease ends");
+                (Prefixed::failed(prefix, error).boxed_unsync(), Action::Hold)
+            }
+        },
+    };
+    (Response::from_parts(parts, body), action)
+}
+
+enum Captured {
+    /// The whole body, within the limit.
+    Complete {
+        data: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    /// More than the limit: what was read, and the rest.
+    OverLimit { prefix: Bytes, rest: BoxBody },
+    /// The body failed after `prefix`.
+    Failed { prefix: Bytes, error: BoxError },
+}
+
+/// Reads `body` until it ends, fails, or passes `limit` bytes.
+async fn capture(mut body: BoxBody, limit: usize) -> Captured {
+    if body.size_hint().lower() > limit as u64 {
+        return Captured::OverLimit {
+            prefix: Bytes::new(),
+            rest: body,
+        };
+    }
+    let mut buf = BytesMut::new();
+    let mut trailers: Option<HeaderMap> = None;
+    loop {
+        match body.frame().await {
+            None => {
+                return Captured::Complete {
+                    data: buf.freeze(),
+                    trailers,
+                }
+            }
+            Some(Err(error)) => {
+                return Captured::Failed {
+                    prefix: buf.freeze(),
+                    error,
+                }
+            }
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    let over = buf.len().saturating_add(data.len()) > limit;
+                    buf.extend_from_slice(&data);
+                    if over {
+                        return Captured::OverLimit {
+                            prefix: buf.freeze(),
+                            rest: body,
+                        };
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                    }
+                }
+            },
+        }
+    }
+}
+
+/// The raw `Idempotency-Key` of a refused request, for the log line.
+fn raw_key_for_log(headers: &HeaderMap) -> String {
+    let raw: Vec<String> = headers
+        .get_all(&IDEMPOTENCY_KEY)
+        .iter()
+        .map(|v| {
+            String::from_utf8_lossy(v.as_bytes())
+                .escape_debug()
+                .to_string()
+        })
+        .collect();
+    let mut s = raw.join(", ");
+    if s.len() > 300 {
+        let mut cut = 300;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+/// The fields of the one log line per guarded request.
+#[derive(Debug, Clone)]
+struct LogCtx {
+    started: Instant,
+    method: Method,
+    path: String,
+    key: String,
+}
+
+impl LogCtx {
+    fn duration_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Logs the outcome and hands the response back.
+    fn finish(
+        &self,
+        outcome: &'static str,
+        resp: Response<BoxBody>,
+        saved: Option<&'static str>,
+    ) -> Response<BoxBody> {
+        tracing::info!(
+            target: "idem",
+            outcome,
+            status = resp.status().as_u16(),
+            duration_ms = self.duration_ms(),
+            key = %self.key,
+            method = %self.method,
+            path = %self.path,
+            saved = saved.unwrap_or("-"),
+            "idempotency-key request"
+        );
+        resp
+    }
+
+    fn rejected(&self, problem: Problem) -> Response<BoxBody> {
+        self.finish("rejected", problem.into_response(), None)
+    }
+
+    fn inner_error(&self, saved: &'static str) {
+        tracing::info!(
+            target: "idem",
+            outcome = "executed",
+            inner_error = true,
+            duration_ms = self.duration_ms(),
+            key = %self.key,
+            method = %self.method,
+            path = %self.path,
+            saved,
+            "idempotency-key request: the inner service failed"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(retry_after_secs(Duration::from_millis(2500)), 3);
+        assert_eq!(retry_after_secs(Duration::from_secs(30)), 30);
+    }
+
+    #[test]
+    fn content_length_parsing() {
+        let mut h = HeaderMap::new();
+        assert_eq!(content_length(&h), None);
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("42"));
+        assert_eq!(content_length(&h), Some(42));
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("x"));
+        assert_eq!(content_length(&h), None);
+    }
+}
