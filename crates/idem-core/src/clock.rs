@@ -10,6 +10,8 @@ pub struct Millis(pub u64);
 
 impl Millis {
     /// This instant plus `d` (saturating).
+    // Not `std::ops::Add`: saturating, and `Millis + Duration` would hide that.
+    #[allow(clippy::should_implement_trait)]
     pub fn add(self, d: Duration) -> Self {
         Millis(self.0.saturating_add(duration_ms(d)))
     }

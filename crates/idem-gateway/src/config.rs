@@ -1,0 +1,525 @@
+//! Command-line flags, environment variables and the validated configuration.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::header::AUTHORIZATION;
+use http::{Method, Uri};
+use idem_http::ScopeBy;
+
+/// Flags of `idem gateway`. Every flag can also be set by an environment
+/// variable `IDEM_<FLAG>`; a flag on the command line wins over the variable.
+///
+/// Durations take a number and a unit (`500ms`, `30s`, `5m`, `24h`; see the
+/// `humantime` crate); `0` is accepted for `--wait`. Byte sizes take a plain
+/// number of bytes or a number with a suffix: `KB`/`MB`/`GB` (powers of 1000)
+/// or `KiB`/`MiB`/`GiB` (powers of 1024), case-insensitive.
+///
+/// Parse with clap, then validate with [`GatewayArgs::into_config`]:
+///
+/// ```
+/// use clap::Parser;
+/// #[derive(Parser)]
+/// struct Cli {
+///     #[command(flatten)]
+///     gateway: idem_gateway::GatewayArgs,
+/// }
+/// let cli = Cli::try_parse_from(["idem", "--upstream", "http://127.0.0.1:3000", "--store", "memory://"]).unwrap();
+/// let config = cli.gateway.into_config().unwrap();
+/// assert_eq!(config.listen.to_string(), "127.0.0.1:8000");
+/// assert_eq!(config.methods, vec![http::Method::POST, http::Method::PATCH]);
+/// ```
+#[derive(clap::Args, Debug, Clone)]
+pub struct GatewayArgs {
+    /// Address to listen on, `IP:PORT`.
+    #[arg(
+        long,
+        env = "IDEM_LISTEN",
+        value_name = "ADDR",
+        default_value = "127.0.0.1:8000"
+    )]
+    pub listen: SocketAddr,
+
+    /// The service to protect, an `http://host:port[/prefix]` URL (https is
+    /// not supported yet). A path prefix is put in front of every request path.
+    #[arg(long, env = "IDEM_UPSTREAM", value_name = "URL", value_parser = parse_upstream)]
+    pub upstream: Uri,
+
+    /// Where records live: `memory://` (lost on exit), `sqlite://relative.db`
+    /// or `sqlite:///absolute/path.db` (the file is created if missing).
+    #[arg(
+        long,
+        env = "IDEM_STORE",
+        value_name = "URL",
+        default_value = "sqlite://idem.db"
+    )]
+    pub store: String,
+
+    /// How long a completed result is replayed.
+    #[arg(long, env = "IDEM_TTL", value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
+    pub ttl: Duration,
+
+    /// How long a claim holds before another request may take the key over
+    /// (renewed while the upstream call runs). Must be above 0 and not longer
+    /// than the TTL.
+    #[arg(long, env = "IDEM_LEASE", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub lease: Duration,
+
+    /// Guarded methods, comma-separated, case-insensitive. Safe methods
+    /// (GET, HEAD, OPTIONS, TRACE) and CONNECT are refused.
+    #[arg(
+        long,
+        env = "IDEM_METHODS",
+        value_name = "METHODS",
+        default_value = "POST,PATCH",
+        value_delimiter = ',',
+        value_parser = parse_method
+    )]
+    pub methods: Vec<Method>,
+
+    /// Answer 400 to a guarded request that has no `Idempotency-Key`
+    /// (default: let it through unguarded). The variable takes
+    /// true/false, yes/no, on/off, 1/0.
+    #[arg(
+        long,
+        env = "IDEM_REQUIRE_KEY",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub require_key: bool,
+
+    /// Largest body of a guarded request, bytes (413 beyond).
+    #[arg(long, env = "IDEM_MAX_BODY", value_name = "BYTES", default_value = "10485760", value_parser = parse_size)]
+    pub max_body: usize,
+
+    /// Largest response body kept for replay, bytes. A larger response still
+    /// reaches its first caller; duplicates get an error instead of a rerun.
+    #[arg(long, env = "IDEM_RETENTION_LIMIT", value_name = "BYTES", default_value = "1MiB", value_parser = parse_size)]
+    pub retention_limit: usize,
+
+    /// How long to wait for the upstream's response headers. Past it the
+    /// answer is 504 and the key stays in flight until its lease ends.
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub upstream_timeout: Duration,
+
+    /// How long a duplicate waits for an in-flight original to finish and
+    /// then gets its replay; `0` answers 409 at once.
+    #[arg(long, env = "IDEM_WAIT", value_name = "DURATION", default_value = "0", value_parser = parse_duration)]
+    pub wait: Duration,
+}
+
+impl GatewayArgs {
+    /// Validates the flags together and builds the configuration.
+    ///
+    /// # Errors
+    /// [`ConfigError`] when the lease is 0, the TTL is shorter than the
+    /// lease, the upstream timeout or the body limit is 0, no method is
+    /// given, or the store URL names an unsupported scheme.
+    pub fn into_config(self) -> Result<GatewayConfig, ConfigError> {
+        let mut config = GatewayConfig::new(self.upstream);
+        config.listen = self.listen;
+        config.store = self.store;
+        config.ttl = self.ttl;
+        config.lease = self.lease;
+        config.methods = self.methods;
+        config.require_key = self.require_key;
+        config.max_body = self.max_body;
+        config.retention_limit = self.retention_limit;
+        config.upstream_timeout = self.upstream_timeout;
+        config.wait = self.wait;
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// The gateway's validated settings. Build one with [`GatewayArgs::into_config`]
+/// or [`GatewayConfig::new`] (defaults as the flags') and adjust its fields;
+/// [`crate::Gateway::bind`] validates it again.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct GatewayConfig {
+    /// Listening address (default `127.0.0.1:8000`; port 0 picks a free port,
+    /// see [`crate::Gateway::local_addr`]).
+    pub listen: SocketAddr,
+    /// The upstream, `http://host:port[/prefix]`.
+    pub upstream: Uri,
+    /// Store URL (default `sqlite://idem.db`), see [`crate::open_store`].
+    pub store: String,
+    /// Replay window of a completed result (default 24 h).
+    pub ttl: Duration,
+    /// Lease of a claim (default 30 s), renewed every third of it while the
+    /// upstream call runs.
+    pub lease: Duration,
+    /// Guarded methods (default POST, PATCH).
+    pub methods: Vec<Method>,
+    /// Answer 400 to a guarded request without a key (default false).
+    pub require_key: bool,
+    /// Largest guarded request body, bytes (default 10,485,760).
+    pub max_body: usize,
+    /// Largest response body kept for replay, bytes (default 1,048,576).
+    pub retention_limit: usize,
+    /// Time allowed for the upstream's response headers (default 30 s).
+    pub upstream_timeout: Duration,
+    /// How long a duplicate waits for an in-flight original (default 0: 409 at once).
+    pub wait: Duration,
+    /// How the caller's scope is derived (default: a SHA-256 of the
+    /// `Authorization` fields; none → the anonymous scope). Not a flag yet.
+    pub scope: ScopeBy,
+    /// How often expired records are purged (default 60 s). Not a flag.
+    pub purge_interval: Duration,
+    /// How long a graceful shutdown waits for in-flight requests before it
+    /// gives up on them (default 30 s). Not a flag.
+    pub shutdown_grace: Duration,
+}
+
+impl GatewayConfig {
+    /// A configuration for `upstream` with every other setting at its default.
+    pub fn new(upstream: Uri) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            upstream,
+            store: "sqlite://idem.db".to_owned(),
+            ttl: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            methods: vec![Method::POST, Method::PATCH],
+            require_key: false,
+            max_body: 10 * 1024 * 1024,
+            retention_limit: 1024 * 1024,
+            upstream_timeout: Duration::from_secs(30),
+            wait: Duration::ZERO,
+            scope: ScopeBy::Headers(vec![AUTHORIZATION]),
+            purge_interval: Duration::from_secs(60),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+
+    /// Checks the settings together.
+    ///
+    /// # Errors
+    /// The first problem found, as a [`ConfigError`].
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        parse_upstream(&self.upstream.to_string()).map_err(ConfigError::Upstream)?;
+        if self.lease.is_zero() {
+            return Err(ConfigError::ZeroLease);
+        }
+        if self.ttl < self.lease {
+            return Err(ConfigError::TtlShorterThanLease {
+                ttl: self.ttl,
+                lease: self.lease,
+            });
+        }
+        if self.upstream_timeout.is_zero() {
+            return Err(ConfigError::Zero("--upstream-timeout"));
+        }
+        if self.max_body == 0 {
+            return Err(ConfigError::Zero("--max-body"));
+        }
+        if self.purge_interval.is_zero() {
+            return Err(ConfigError::Zero("purge interval"));
+        }
+        if self.methods.is_empty() {
+            return Err(ConfigError::NoMethods);
+        }
+        for m in &self.methods {
+            check_method(m).map_err(ConfigError::Method)?;
+        }
+        crate::store::StoreKind::of_url(&self.store).map_err(ConfigError::Store)?;
+        Ok(())
+    }
+}
+
+/// A configuration that cannot work.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// `--lease 0`.
+    #[error("--lease must be longer than 0")]
+    ZeroLease,
+    /// The TTL ends before the lease: a result would be forgotten while its
+    /// key could still be in flight.
+    #[error(
+        "--ttl ({}) is shorter than --lease ({}); the ttl must be at least the lease",
+        humantime::format_duration(*ttl),
+        humantime::format_duration(*lease)
+    )]
+    TtlShorterThanLease {
+        /// The TTL given.
+        ttl: Duration,
+        /// The lease given.
+        lease: Duration,
+    },
+    /// A setting that must be above zero is zero.
+    #[error("{0} must be above 0")]
+    Zero(&'static str),
+    /// No guarded method.
+    #[error("--methods names no method")]
+    NoMethods,
+    /// A method that cannot be guarded.
+    #[error("--methods: {0}")]
+    Method(String),
+    /// The upstream URL is not usable.
+    #[error("--upstream: {0}")]
+    Upstream(String),
+    /// The store URL is not usable.
+    #[error("--store: {0}")]
+    Store(#[source] idem_core::StoreError),
+}
+
+/// Parses a duration such as `500ms`, `30s`, `24h` or `0`.
+///
+/// # Errors
+/// A message naming the accepted forms.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("{e}; use a number with a unit, like 500ms, 30s, 5m or 24h"))
+}
+
+/// Parses a byte size: `1048576`, `512KiB`, `10MiB`, `1MB` (= 1,000,000), `2GiB`.
+///
+/// # Errors
+/// A message when the number or the suffix is not understood, or the size
+/// overflows `usize`.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        return Err(format!(
+            "{s:?} is not a size; use bytes (1048576) or a suffix (KB, KiB, MB, MiB, GB, GiB)"
+        ));
+    }
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: the number is too large"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1000,
+        "ki" | "kib" => 1024,
+        "m" | "mb" => 1000 * 1000,
+        "mi" | "mib" => 1024 * 1024,
+        "g" | "gb" => 1000 * 1000 * 1000,
+        "gi" | "gib" => 1024 * 1024 * 1024,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown size suffix {other:?}; use KB, KiB, MB, MiB, GB or GiB"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// Parses one method name, case-insensitive, and refuses those that cannot
+/// be guarded.
+///
+/// # Errors
+/// A message for an empty or malformed name, a safe method (RFC 9110 §9.2.1)
+/// or CONNECT.
+pub fn parse_method(s: &str) -> Result<Method, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        return Err("empty method name (use a comma-separated list such as POST,PATCH)".into());
+    }
+    let m = Method::from_bytes(t.to_ascii_uppercase().as_bytes())
+        .map_err(|_| format!("{t:?} is not a valid method name"))?;
+    check_method(&m)?;
+    Ok(m)
+}
+
+fn check_method(m: &Method) -> Result<(), String> {
+    if [
+        Method::GET,
+        Method::HEAD,
+        Method::OPTIONS,
+        Method::TRACE,
+        Method::CONNECT,
+    ]
+    .contains(m)
+    {
+        return Err(format!(
+            "{m} cannot be guarded (safe methods are idempotent already, CONNECT is not proxied); \
+             use methods such as POST, PATCH, PUT, DELETE"
+        ));
+    }
+    Ok(())
+}
+
+/// Parses and checks an upstream URL: `http://host[:port][/prefix]`, without
+/// user info, query or fragment.
+///
+/// # Errors
+/// A message saying what is wrong with the URL.
+pub fn parse_upstream(s: &str) -> Result<Uri, String> {
+    let t = s.trim();
+    let uri: Uri = t
+        .parse()
+        .map_err(|e| format!("{t:?} is not a valid URL ({e}); expected http://host:port"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(format!(
+                "{t:?}: https upstreams are not supported yet; use an http:// URL"
+            ))
+        }
+        Some(other) => {
+            return Err(format!(
+                "{t:?}: scheme {other:?} is not supported; use an http:// URL"
+            ))
+        }
+        None => return Err(format!("{t:?} has no scheme; expected http://host:port")),
+    }
+    let Some(auth) = uri.authority() else {
+        return Err(format!("{t:?} has no host; expected http://host:port"));
+    };
+    if auth.as_str().contains('@') {
+        return Err(format!(
+            "{t:?}: user info in the upstream URL is not supported"
+        ));
+    }
+    if auth.host().is_empty() {
+        return Err(format!("{t:?} has no host; expected http://host:port"));
+    }
+    if uri.query().is_some() {
+        return Err(format!("{t:?}: the upstream URL cannot have a query"));
+    }
+    Ok(uri)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        g: GatewayArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        let mut v = vec!["idem"];
+        v.extend_from_slice(args);
+        Cli::try_parse_from(v)
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse(&["--upstream", "http://127.0.0.1:3000"])
+            .unwrap()
+            .g
+            .into_config()
+            .unwrap();
+        assert_eq!(c.listen, "127.0.0.1:8000".parse().unwrap());
+        assert_eq!(c.store, "sqlite://idem.db");
+        assert_eq!(c.ttl, Duration::from_secs(86400));
+        assert_eq!(c.lease, Duration::from_secs(30));
+        assert_eq!(c.methods, vec![Method::POST, Method::PATCH]);
+        assert!(!c.require_key);
+        assert_eq!(c.max_body, 10_485_760);
+        assert_eq!(c.retention_limit, 1_048_576);
+        assert_eq!(c.upstream_timeout, Duration::from_secs(30));
+        assert_eq!(c.wait, Duration::ZERO);
+    }
+
+    #[test]
+    fn flags_are_parsed() {
+        let c = parse(&[
+            "--upstream",
+            "http://localhost:3000/api",
+            "--listen",
+            "0.0.0.0:9000",
+            "--store",
+            "memory://",
+            "--ttl",
+            "1h",
+            "--lease",
+            "1500ms",
+            "--methods",
+            "post,Put,DELETE",
+            "--require-key",
+            "--max-body",
+            "1MB",
+            "--retention-limit",
+            "64KiB",
+            "--upstream-timeout",
+            "5s",
+            "--wait",
+            "2s",
+        ])
+        .unwrap()
+        .g
+        .into_config()
+        .unwrap();
+        assert_eq!(c.lease, Duration::from_millis(1500));
+        assert_eq!(c.methods, vec![Method::POST, Method::PUT, Method::DELETE]);
+        assert!(c.require_key);
+        assert_eq!(c.max_body, 1_000_000);
+        assert_eq!(c.retention_limit, 65_536);
+        assert_eq!(c.wait, Duration::from_secs(2));
+        assert_eq!(c.upstream.path(), "/api");
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        for args in [
+            vec!["--upstream", "https://x:1"],
+            vec!["--upstream", "ftp://x:1"],
+            vec!["--upstream", "not a url"],
+            vec!["--upstream", "localhost:3000"],
+            vec!["--upstream", "http://u:p@x:1"],
+            vec!["--upstream", "http://x:1", "--methods", "GET"],
+            vec!["--upstream", "http://x:1", "--methods", "POST,,PATCH"],
+            vec!["--upstream", "http://x:1", "--methods", "PO ST"],
+            vec!["--upstream", "http://x:1", "--ttl", "soon"],
+            vec!["--upstream", "http://x:1", "--max-body", "10XB"],
+            vec!["--upstream", "http://x:1", "--max-body", "-1"],
+            vec!["--upstream", "http://x:1", "--listen", "localhost"],
+        ] {
+            assert!(parse(&args).is_err(), "{args:?} parsed");
+        }
+        assert!(parse(&[]).is_err(), "--upstream is required");
+    }
+
+    #[test]
+    fn cross_checks() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        assert!(matches!(g(&["--lease", "0"]), Err(ConfigError::ZeroLease)));
+        assert!(matches!(
+            g(&["--lease", "10s", "--ttl", "5s"]),
+            Err(ConfigError::TtlShorterThanLease { .. })
+        ));
+        assert!(g(&["--lease", "1s", "--ttl", "1s"]).is_ok());
+        assert!(matches!(
+            g(&["--upstream-timeout", "0"]),
+            Err(ConfigError::Zero(_))
+        ));
+        assert!(matches!(g(&["--max-body", "0"]), Err(ConfigError::Zero(_))));
+        let e = parse(&["--upstream", "http://x:1", "--store", "postgres://db/x"])
+            .unwrap()
+            .g
+            .into_config()
+            .unwrap_err();
+        assert!(e.to_string().contains("sqlite://"), "{e}");
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("10485760"), Ok(10_485_760));
+        assert_eq!(parse_size("10MiB"), Ok(10_485_760));
+        assert_eq!(parse_size("10 mib"), Ok(10_485_760));
+        assert_eq!(parse_size("1MB"), Ok(1_000_000));
+        assert_eq!(parse_size("2k"), Ok(2000));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("MB").is_err());
+        assert!(parse_size("1.5MB").is_err());
+        assert!(parse_size("99999999999999999999999").is_err());
+        assert!(parse_size("99999999999999GiB").is_err());
+    }
+}

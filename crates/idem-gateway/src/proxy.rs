@@ -1,0 +1,344 @@
+//! The reverse proxy: the inner service the idempotency layer wraps.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::header::{self, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use idem_http::{problem, BoxBody, Disposition};
+
+/// Hop-by-hop header fields (RFC 9110 §7.6.1), removed in both directions.
+/// `Proxy-Connection` and `Keep-Alive` are not in the RFC's list of fields
+/// but are hop-by-hop in practice.
+pub const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// Removes the hop-by-hop fields of RFC 9110 §7.6.1 from `headers`: the
+/// fields named in `Connection`, then `Connection`, `Keep-Alive`,
+/// `Proxy-Connection`, `TE`, `Trailer`, `Transfer-Encoding` and `Upgrade`.
+///
+/// `Idempotency-Key` is kept even when `Connection` names it: the upstream
+/// must see the key the gateway guarded the request with.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let listed: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .filter(|n| *n != IDEMPOTENCY_KEY)
+        .collect();
+    for name in listed {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// Appends `client` to `X-Forwarded-For`, joining earlier fields into one
+/// comma-separated list (`X-Forwarded-For: 203.0.113.7, 10.0.0.2`).
+pub fn append_forwarded_for(headers: &mut HeaderMap, client: IpAddr) {
+    let client = client.to_canonical().to_string();
+    let mut list: Vec<String> = headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect();
+    list.push(client.clone());
+    let value = HeaderValue::from_str(&list.join(", "))
+        .or_else(|_| HeaderValue::from_str(&client))
+        .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+    headers.remove(&X_FORWARDED_FOR);
+    headers.insert(X_FORWARDED_FOR.clone(), value);
+}
+
+/// The upstream's address split into the parts a request needs.
+#[derive(Debug)]
+pub(crate) struct Upstream {
+    authority: Authority,
+    host: HeaderValue,
+    /// Path prefix without a trailing slash ("" for none).
+    prefix: String,
+}
+
+impl Upstream {
+    pub(crate) fn new(uri: &Uri) -> Result<Self, String> {
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("{uri} has no host"))?;
+        let host = HeaderValue::from_str(authority.as_str())
+            .map_err(|_| format!("{uri}: the host is not a valid header value"))?;
+        let prefix = uri.path().trim_end_matches('/').to_owned();
+        Ok(Self {
+            authority,
+            host,
+            prefix,
+        })
+    }
+
+    /// The upstream URI for a request's target: prefix + path + query.
+    fn uri_for(&self, target: &Uri) -> Option<Uri> {
+        let pq = target.path_and_query()?.as_str();
+        if !pq.starts_with('/') {
+            return None;
+        }
+        let pq: PathAndQuery = if self.prefix.is_empty() {
+            pq.parse().ok()?
+        } else {
+            format!("{}{pq}", self.prefix).parse().ok()?
+        };
+        Uri::builder()
+            .scheme("http")
+            .authority(self.authority.clone())
+            .path_and_query(pq)
+            .build()
+            .ok()
+    }
+}
+
+/// The HTTP client used for every upstream call: pooled keep-alive
+/// connections over plain TCP.
+pub(crate) type UpstreamClient = Client<HttpConnector, BoxBody>;
+
+pub(crate) fn client(upstream_timeout: Duration) -> UpstreamClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    // Shorter than the whole upstream timeout, so a host that does not
+    // answer the TCP handshake is reported as "unreachable" (nothing sent,
+    // key released) rather than as a timeout of unknown outcome.
+    connector.set_connect_timeout(Some((upstream_timeout / 2).min(Duration::from_secs(5))));
+    Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build(connector)
+}
+
+/// Forwards one request to the upstream. Cloned per connection with the
+/// client's address.
+#[derive(Clone, Debug)]
+pub(crate) struct Proxy {
+    pub(crate) client: UpstreamClient,
+    pub(crate) upstream: Arc<Upstream>,
+    pub(crate) timeout: Duration,
+    pub(crate) peer: SocketAddr,
+}
+
+impl tower_service::Service<Request<BoxBody>> for Proxy {
+    type Response = Response<BoxBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<BoxBody>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<BoxBody>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move { Ok(this.forward(req).await) })
+    }
+}
+
+fn with_disposition(mut resp: Response<BoxBody>, d: Disposition) -> Response<BoxBody> {
+    resp.extensions_mut().insert(d);
+    resp
+}
+
+impl Proxy {
+    async fn forward(self, req: Request<BoxBody>) -> Response<BoxBody> {
+        let (mut parts, body) = req.into_parts();
+        if parts.method == Method::CONNECT {
+            return with_disposition(
+                problem(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method-not-allowed",
+                    "CONNECT is not proxied by the gateway",
+                ),
+                Disposition::Release,
+            );
+        }
+        let Some(uri) = self.upstream.uri_for(&parts.uri) else {
+            return with_disposition(
+                problem(
+                    StatusCode::BAD_REQUEST,
+                    "bad-request-target",
+                    "the request target must be an origin-form path such as /orders?id=1",
+                ),
+                Disposition::Release,
+            );
+        };
+        let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+
+        let headers = &mut parts.headers;
+        strip_hop_by_hop(headers);
+        // `Expect: 100-continue` was answered by this hop's server already.
+        headers.remove(header::EXPECT);
+        append_forwarded_for(headers, self.peer.ip());
+        if let Some(h) = original_host {
+            if !headers.contains_key(&X_FORWARDED_HOST) {
+                headers.insert(X_FORWARDED_HOST.clone(), h);
+            }
+        }
+        if !headers.contains_key(&X_FORWARDED_PROTO) {
+            headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+        }
+        headers.insert(header::HOST, self.upstream.host.clone());
+        parts.uri = uri;
+        parts.version = Version::HTTP_11;
+        let method = parts.method.clone();
+        let path = parts.uri.path().to_owned();
+
+        let sent = tokio::time::timeout(
+            self.timeout,
+            self.client.request(Request::from_parts(parts, body)),
+        )
+        .await;
+        match sent {
+            Ok(Ok(resp)) => {
+                let (mut parts, body) = resp.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                Response::from_parts(parts, body.map_err(Into::into).boxed_unsync())
+            }
+            Ok(Err(e)) if e.is_connect() => {
+                tracing::warn!(%method, %path, error = %error_chain(&e), "upstream unreachable; nothing was sent");
+                with_disposition(
+                    problem(
+                        StatusCode::BAD_GATEWAY,
+                        "upstream-unreachable",
+                        "the upstream service could not be reached; the request was not sent and may be retried",
+                    ),
+                    Disposition::Release,
+                )
+            }
+            Ok(Err(e)) => {
+                tracing::error!(%method, %path, error = %error_chain(&e), "upstream failed after the request was sent; outcome unknown");
+                with_disposition(
+                    problem(
+                        StatusCode::BAD_GATEWAY,
+                        "upstream-failed",
+                        "the upstream connection failed after the request was sent; its outcome is unknown, \
+                         so the key is held until its lease ends",
+                    ),
+                    Disposition::Hold,
+                )
+            }
+            Err(_) => {
+                tracing::error!(%method, %path, timeout = ?self.timeout, "upstream timed out; outcome unknown");
+                with_disposition(
+                    problem(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "upstream-timeout",
+                        "the upstream did not answer in time; its outcome is unknown, \
+                         so the key is held until its lease ends",
+                    ),
+                    Disposition::Hold,
+                )
+            }
+        }
+    }
+}
+
+/// An error and its sources, `outer: inner: innermost`.
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_listed_and_fixed_hop_by_hop_fields() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "connection",
+            HeaderValue::from_static("close, x-secret , Idempotency-Key"),
+        );
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("upgrade", HeaderValue::from_static("websocket"));
+        h.insert("transfer-encoding", HeaderValue::from_static("chunked"));
+        h.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
+        h.insert("trailer", HeaderValue::from_static("x-checksum"));
+        h.insert("idempotency-key", HeaderValue::from_static("k1"));
+        h.insert("content-type", HeaderValue::from_static("text/plain"));
+        strip_hop_by_hop(&mut h);
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(h.contains_key("idempotency-key"));
+        assert!(h.contains_key("content-type"));
+    }
+
+    #[test]
+    fn forwarded_for_is_appended() {
+        let mut h = HeaderMap::new();
+        append_forwarded_for(&mut h, "10.0.0.1".parse().unwrap());
+        assert_eq!(h["x-forwarded-for"], "10.0.0.1");
+        let mut h = HeaderMap::new();
+        h.append(
+            "x-forwarded-for",
+            HeaderValue::from_static("203.0.113.7, 198.51.100.1"),
+        );
+        h.append("x-forwarded-for", HeaderValue::from_static("192.0.2.9"));
+        append_forwarded_for(&mut h, "::ffff:10.0.0.2".parse().unwrap());
+        assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
+        assert_eq!(
+            h["x-forwarded-for"],
+            "203.0.113.7, 198.51.100.1, 192.0.2.9, 10.0.0.2"
+        );
+    }
+
+    #[test]
+    fn upstream_uris_keep_path_and_query_under_the_prefix() {
+        let up = Upstream::new(&"http://127.0.0.1:9/api/".parse().unwrap()).unwrap();
+        let u = up.uri_for(&"/orders?x=1&y=%20".parse().unwrap()).unwrap();
+        assert_eq!(u.to_string(), "http://127.0.0.1:9/api/orders?x=1&y=%20");
+        let up = Upstream::new(&"http://example.test".parse().unwrap()).unwrap();
+        let u = up
+            .uri_for(&"http://gw.test/a/b?q".parse().unwrap())
+            .unwrap();
+        assert_eq!(u.to_string(), "http://example.test/a/b?q");
+        assert!(up.uri_for(&"*".parse().unwrap()).is_none());
+        assert!(up.uri_for(&"gw.test:443".parse().unwrap()).is_none());
+    }
+}

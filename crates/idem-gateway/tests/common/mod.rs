@@ -1,0 +1,659 @@
+//! Test harness: a real upstream (axum on an ephemeral port, or a raw TCP
+//! server for broken connections), an in-process gateway on 127.0.0.1:0,
+//! and a store wrapper that fails on demand.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{self, any, get};
+use axum::Router;
+use idem_core::{
+    Begin, BeginRequest, DynStore, IdempotencyKey, Lease, MemoryStore, Phase, Record, Scope, Store,
+    StoreError, StoredResponse,
+};
+use idem_gateway::{Gateway, GatewayConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// What the upstream saw of one request.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: Method,
+    pub uri: Uri,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+#[derive(Clone, Default)]
+struct AppState {
+    hits: Arc<AtomicUsize>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl AppState {
+    fn hit(&self, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> usize {
+        self.seen.lock().unwrap().push(Seen {
+            method,
+            uri,
+            headers,
+            body,
+        });
+        self.hits.fetch_add(1, Ordering::SeqCst) + 1
+    }
+}
+
+/// A running upstream that counts executions.
+pub struct TestUpstream {
+    pub addr: SocketAddr,
+    pub hits: Arc<AtomicUsize>,
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+    task: JoinHandle<()>,
+}
+
+impl TestUpstream {
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+    pub fn last_seen(&self) -> Seen {
+        self.seen
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("upstream saw a request")
+    }
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for TestUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct SlowQ {
+    ms: Option<u64>,
+}
+
+#[derive(serde::Deserialize)]
+struct LargeQ {
+    bytes: usize,
+}
+
+fn app(state: AppState) -> Router {
+    Router::new()
+        // 201 with Location, ETag, two Set-Cookie and a JSON body naming the execution.
+        .route(
+            "/orders",
+            routing::post(
+                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    Response::builder()
+                        .status(StatusCode::CREATED)
+                        .header("location", format!("/orders/{n}"))
+                        .header("etag", format!("\"v{n}\""))
+                        .header("set-cookie", format!("a={n}; Path=/"))
+                        .header("set-cookie", "b=2; HttpOnly")
+                        .header("content-type", "application/json")
+                        .body(Body::from(format!("{{\"order\":{n}}}")))
+                        .unwrap()
+                },
+            )
+            .patch(
+                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    (StatusCode::OK, format!("patched {n}"))
+                },
+            ),
+        )
+        .route(
+            "/refunds",
+            routing::post(
+                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    (StatusCode::CREATED, format!("refund {n}"))
+                },
+            ),
+        )
+        .route(
+            "/slow",
+            routing::post(
+                |State(s): State<AppState>,
+                 Query(q): Query<SlowQ>,
+                 m: Method,
+                 u: Uri,
+                 h: HeaderMap,
+                 b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    tokio::time::sleep(Duration::from_millis(q.ms.unwrap_or(500))).await;
+                    (StatusCode::OK, format!("slow {n}"))
+                },
+            ),
+        )
+        // Sleeps only in its first execution.
+        .route(
+            "/slow-first",
+            routing::post(
+                |State(s): State<AppState>,
+                 Query(q): Query<SlowQ>,
+                 m: Method,
+                 u: Uri,
+                 h: HeaderMap,
+                 b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    if n == 1 {
+                        tokio::time::sleep(Duration::from_millis(q.ms.unwrap_or(500))).await;
+                    }
+                    (StatusCode::OK, format!("slow-first {n}"))
+                },
+            ),
+        )
+        .route(
+            "/status/{code}",
+            routing::post(
+                |State(s): State<AppState>,
+                 Path(code): Path<u16>,
+                 m: Method,
+                 u: Uri,
+                 h: HeaderMap,
+                 b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::IM_A_TEAPOT);
+                    (
+                        status,
+                        [("content-type", "application/json")],
+                        format!("{{\"status\":{code},\"execution\":{n}}}"),
+                    )
+                },
+            ),
+        )
+        .route(
+            "/binary",
+            routing::post(
+                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    let mut body = vec![0u8, 0x9f, 0x92, 0x96, 0xff, 0xfe, b'\r', b'\n', 0];
+                    body.push(n as u8);
+                    ([("content-type", "application/octet-stream")], body)
+                },
+            ),
+        )
+        .route(
+            "/large",
+            routing::post(
+                |State(s): State<AppState>,
+                 Query(q): Query<LargeQ>,
+                 m: Method,
+                 u: Uri,
+                 h: HeaderMap,
+                 b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    let body: Vec<u8> = (0..q.bytes).map(|i| (i % 251) as u8 ^ n as u8).collect();
+                    body
+                },
+            ),
+        )
+        // Three chunks, 100 ms apart, with no Content-Length (chunked encoding).
+        .route(
+            "/chunked",
+            any(
+                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    let stream = async_stream(n);
+                    Response::builder()
+                        .status(StatusCode::OK)
+                        .header("content-type", "text/plain")
+                        .body(Body::from_stream(stream))
+                        .unwrap()
+                },
+            ),
+        )
+        // Echoes what it received, as JSON; repeated headers kept.
+        .route(
+            "/echo",
+            any(
+                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
+                    let n = s.hit(m.clone(), u.clone(), h.clone(), b.clone());
+                    let headers: Vec<(String, String)> = h
+                        .iter()
+                        .map(|(k, v)| {
+                            (
+                                k.to_string(),
+                                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                            )
+                        })
+                        .collect();
+                    axum::Json(serde_json::json!({
+                        "execution": n,
+                        "method": m.as_str(),
+                        "uri": u.to_string(),
+                        "headers": headers,
+                        "body_len": b.len(),
+                    }))
+                    .into_response()
+                },
+            ),
+        )
+        .route(
+            "/items",
+            get(
+                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap| async move {
+                    let n = s.hit(m, u, h, Bytes::new());
+                    format!("items {n}")
+                },
+            ),
+        )
+        .fallback(
+            |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
+                s.hit(m, u, h, b);
+                (StatusCode::NOT_FOUND, "no such route")
+            },
+        )
+        .with_state(state)
+}
+
+fn async_stream(n: usize) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    futures::stream::unfold(0u8, move |i| async move {
+        if i == 3 {
+            return None;
+        }
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Some((
+            Ok(Bytes::from(format!("chunk{i}-of-execution-{n};"))),
+            i + 1,
+        ))
+    })
+}
+
+/// Starts the upstream app on an ephemeral port.
+pub async fn upstream() -> TestUpstream {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    upstream_on(listener).await
+}
+
+/// Starts the upstream app on a given listener.
+pub async fn upstream_on(listener: TcpListener) -> TestUpstream {
+    let addr = listener.local_addr().unwrap();
+    let state = AppState::default();
+    let (hits, seen) = (state.hits.clone(), state.seen.clone());
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app(state)).await;
+    });
+    TestUpstream {
+        addr,
+        hits,
+        seen,
+        task,
+    }
+}
+
+/// What a raw upstream does with each request.
+#[derive(Debug, Clone)]
+pub enum RawAction {
+    /// Read the request and close the socket without a byte of answer.
+    CloseWithoutAnswer,
+    /// Write these bytes, then close the socket.
+    WriteAndClose(Vec<u8>),
+}
+
+/// A raw TCP upstream for broken connections and exact response bytes.
+pub struct RawUpstream {
+    pub addr: SocketAddr,
+    pub hits: Arc<AtomicUsize>,
+    pub requests: Arc<Mutex<Vec<Vec<u8>>>>,
+    task: JoinHandle<()>,
+}
+
+impl RawUpstream {
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for RawUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Reads one HTTP/1.1 request head and its Content-Length body.
+pub async fn read_request(sock: &mut tokio::net::TcpStream) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = find(&buf, b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + len {
+                return buf;
+            }
+        }
+        match sock.read(&mut chunk).await {
+            Ok(0) | Err(_) => return buf,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+fn find(h: &[u8], n: &[u8]) -> Option<usize> {
+    h.windows(n.len()).position(|w| w == n)
+}
+
+pub async fn raw_upstream(action: RawAction) -> RawUpstream {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let requests = Arc::new(Mutex::new(Vec::new()));
+    let (h, r) = (hits.clone(), requests.clone());
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let (h, r, action) = (h.clone(), r.clone(), action.clone());
+            tokio::spawn(async move {
+                let req = read_request(&mut sock).await;
+                if req.is_empty() {
+                    return;
+                }
+                h.fetch_add(1, Ordering::SeqCst);
+                r.lock().unwrap().push(req);
+                match action {
+                    RawAction::CloseWithoutAnswer => {}
+                    RawAction::WriteAndClose(bytes) => {
+                        let _ = sock.write_all(&bytes).await;
+                        let _ = sock.flush().await;
+                    }
+                }
+                drop(sock);
+            });
+        }
+    });
+    RawUpstream {
+        addr,
+        hits,
+        requests,
+        task,
+    }
+}
+
+/// A running in-process gateway; shut down (gracefully) on drop.
+pub struct TestGateway {
+    pub addr: SocketAddr,
+    pub store: DynStore,
+    shutdown: Option<oneshot::Sender<()>>,
+    pub task: Option<JoinHandle<Result<(), idem_gateway::GatewayError>>>,
+}
+
+impl TestGateway {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Signals shutdown and waits for `serve` to return.
+    pub async fn stop(mut self) -> Result<(), idem_gateway::GatewayError> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        self.task.take().unwrap().await.unwrap()
+    }
+
+    pub fn signal_shutdown(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for TestGateway {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A configuration for `upstream` on 127.0.0.1:0 with a memory store.
+pub fn config(upstream: &str) -> GatewayConfig {
+    let mut c = GatewayConfig::new(upstream.parse().unwrap());
+    c.listen = "127.0.0.1:0".parse().unwrap();
+    c.store = "memory://".into();
+    c
+}
+
+/// Starts a gateway with `config` and the given store.
+pub async fn gateway_with(config: GatewayConfig, store: DynStore) -> TestGateway {
+    let gw = Gateway::bind_with_store(config, store.clone())
+        .await
+        .unwrap();
+    let addr = gw.local_addr();
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(gw.serve(async move {
+        let _ = rx.await;
+    }));
+    TestGateway {
+        addr,
+        store,
+        shutdown: Some(tx),
+        task: Some(task),
+    }
+}
+
+/// Starts a gateway in front of `upstream` with a memory store, after `tweak`.
+pub async fn gateway(upstream: &str, tweak: impl FnOnce(&mut GatewayConfig)) -> TestGateway {
+    let mut c = config(upstream);
+    tweak(&mut c);
+    gateway_with(c, Arc::new(MemoryStore::new())).await
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+/// A unique key per call.
+pub fn key(label: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{label}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// A response read to the end.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Got {
+    pub status: u16,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub body: Vec<u8>,
+}
+
+impl Got {
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+    }
+    pub fn all(&self, name: &str) -> Vec<String> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            .collect()
+    }
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed").as_deref() == Some("true")
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+    /// The problem `type` of an RFC 9457 body.
+    pub fn problem_type(&self) -> String {
+        self.json()["type"].as_str().unwrap_or("").to_owned()
+    }
+    /// Headers other than those that legitimately differ between an
+    /// original and its replay.
+    pub fn stable_headers(&self) -> Vec<(String, Vec<u8>)> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n != "date" && n != "idempotent-replayed")
+            .cloned()
+            .collect()
+    }
+}
+
+pub async fn read(resp: reqwest::Response) -> Got {
+    let status = resp.status().as_u16();
+    let headers = resp
+        .headers()
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+        .collect();
+    let body = resp.bytes().await.unwrap().to_vec();
+    Got {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// POSTs `body` to `url` with an `Idempotency-Key` (when given).
+pub async fn post(c: &reqwest::Client, url: &str, key: Option<&str>, body: &str) -> Got {
+    let mut r = c
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    if let Some(k) = key {
+        r = r.header("idempotency-key", k);
+    }
+    read(r.send().await.unwrap()).await
+}
+
+/// A free port on 127.0.0.1 (bound, read, closed).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Which failure a [`SwitchStore`] injects into `begin` and `get`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Healthy,
+    Unavailable,
+    Corrupt,
+}
+
+/// A memory store whose `begin`/`get` fail on demand (a store that went
+/// away, or a record that does not decode), counting `begin` calls.
+#[derive(Debug, Clone)]
+pub struct SwitchStore {
+    pub inner: MemoryStore,
+    mode: Arc<AtomicU8>,
+    pub begins: Arc<AtomicUsize>,
+}
+
+#[derive(Debug)]
+struct Injected;
+impl std::fmt::Display for Injected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("connection refused (injected)")
+    }
+}
+impl std::error::Error for Injected {}
+
+impl SwitchStore {
+    pub fn new() -> Self {
+        Self {
+            inner: MemoryStore::new(),
+            mode: Arc::new(AtomicU8::new(0)),
+            begins: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+    pub fn set(&self, m: Mode) {
+        self.mode.store(m as u8, Ordering::SeqCst);
+    }
+    fn fail(&self, phase: Phase) -> Result<(), StoreError> {
+        match self.mode.load(Ordering::SeqCst) {
+            1 => Err(StoreError::unavailable(phase, Injected)),
+            2 => Err(StoreError::Corrupt {
+                phase,
+                detail: "unknown response format version 9".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[async_trait]
+impl Store for SwitchStore {
+    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
+        self.begins.fetch_add(1, Ordering::SeqCst);
+        self.fail(Phase::Begin)?;
+        self.inner.begin(req).await
+    }
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.complete(lease, response, ttl).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.inner.release(lease).await
+    }
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        self.inner.extend(lease, lease_for).await
+    }
+    async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.fail(Phase::Get)?;
+        self.inner.get(scope, key).await
+    }
+    async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        self.inner.delete(scope, key).await
+    }
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        self.inner.purge_expired().await
+    }
+}
+
+/// Waits until `cond` holds, polling every 20 ms, for at most `bound`.
+pub async fn eventually(bound: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = tokio::time::Instant::now() + bound;
+    while tokio::time::Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond()
+}

@@ -1,0 +1,764 @@
+//! The gateway's idempotency guarantees against a real upstream: the
+//! CASES.md sections A–F that concern the gateway, replay fidelity, key
+//! syntax, and what each upstream failure does to the key.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use idem_core::MemoryStore;
+use reqwest::header::{HeaderMap, HeaderValue};
+use tokio::io::AsyncWriteExt;
+
+fn assert_in_flight(r: &Got) {
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idem:problem:in-flight");
+    let secs: u64 = r
+        .header("retry-after")
+        .expect("409 carries Retry-After")
+        .parse()
+        .expect("Retry-After is whole seconds");
+    assert!(secs >= 1, "Retry-After {secs}");
+}
+
+#[tokio::test]
+async fn fifty_concurrent_duplicates_execute_once() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    let k = key("fifty");
+    let url = gw.url("/slow?ms=300");
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let (c, url, k) = (c.clone(), url.clone(), k.clone());
+        tasks.push(tokio::spawn(async move {
+            post(&c, &url, Some(&k), r#"{"amount":10}"#).await
+        }));
+    }
+    let mut originals = 0;
+    let mut conflicts = 0;
+    let mut replays = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        match r.status {
+            200 => {
+                assert_eq!(r.text(), "slow 1");
+                if r.replayed() {
+                    replays += 1;
+                } else {
+                    originals += 1;
+                }
+            }
+            409 => {
+                assert_in_flight(&r);
+                conflicts += 1;
+            }
+            s => panic!("unexpected {s}: {}", r.text()),
+        }
+    }
+    assert_eq!(up.hits(), 1);
+    assert_eq!(originals, 1);
+    assert_eq!(originals + conflicts + replays, 50);
+    // After it finished, a duplicate is a replay.
+    let r = post(&c, &url, Some(&k), r#"{"amount":10}"#).await;
+    assert!(r.replayed());
+    assert_eq!(r.text(), "slow 1");
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn a1_two_concurrent_copies_run_once_and_the_other_gets_409() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    let k = key("a1");
+    let url = gw.url("/slow?ms=500");
+    let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        post(&c, &url, Some(&k), "{}").await
+    });
+    assert_eq!(a.status, 200);
+    assert!(!a.replayed());
+    assert_in_flight(&b);
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn a1_in_wait_mode_the_duplicate_gets_the_replay() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| c.wait = Duration::from_secs(3)).await;
+    let c = client();
+    let k = key("a1-wait");
+    let url = gw.url("/slow?ms=500");
+    let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        post(&c, &url, Some(&k), "{}").await
+    });
+    assert_eq!(
+        (a.status, b.status),
+        (200, 200),
+        "{} / {}",
+        a.text(),
+        b.text()
+    );
+    assert!(!a.replayed());
+    assert!(b.replayed());
+    assert_eq!(a.body, b.body);
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn a2_duplicate_during_a_three_second_call_gets_409() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    let k = key("a2");
+    let url = gw.url("/slow?ms=3000");
+    let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        post(&c, &url, Some(&k), "{}").await
+    });
+    assert_eq!(a.status, 200);
+    assert_in_flight(&b);
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn d1_replay_keeps_status_location_etag_cookies_and_body() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    let k = key("d1");
+    let first = post(&c, &gw.url("/orders"), Some(&k), r#"{"item":"book"}"#).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("location").as_deref(), Some("/orders/1"));
+    assert_eq!(first.header("etag").as_deref(), Some("\"v1\""));
+    assert_eq!(
+        first.all("set-cookie"),
+        vec!["a=1; Path=/", "b=2; HttpOnly"]
+    );
+    assert!(!first.replayed(), "the original is not marked as a replay");
+    assert_eq!(first.json(), serde_json::json!({"order": 1}));
+
+    let again = post(&c, &gw.url("/orders"), Some(&k), r#"{"item":"book"}"#).await;
+    assert_eq!(again.status, 201);
+    assert!(again.replayed());
+    assert_eq!(again.stable_headers(), first.stable_headers());
+    assert_eq!(again.body, first.body);
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn binary_bodies_replay_byte_for_byte() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    let k = key("bin");
+    let first = post(&c, &gw.url("/binary"), Some(&k), "{}").await;
+    assert_eq!(first.status, 200);
+    assert!(
+        std::str::from_utf8(&first.body).is_err(),
+        "the test body must not be UTF-8"
+    );
+    let again = post(&c, &gw.url("/binary"), Some(&k), "{}").await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(
+        again.header("content-type").as_deref(),
+        Some("application/octet-stream")
+    );
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn b3_chunked_upstream_response_is_stored() {
+    let up = upstream().await;
+    let mem = MemoryStore::new();
+    let gw = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
+    let c = client();
+    let k = key("b3");
+    let first = post(&c, &gw.url("/chunked"), Some(&k), "{}").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(
+        first.text(),
+        "chunk0-of-execution-1;chunk1-of-execution-1;chunk2-of-execution-1;"
+    );
+    let again = post(&c, &gw.url("/chunked"), Some(&k), "{}").await;
+    assert!(
+        again.replayed(),
+        "the chunked response was not stored: {}",
+        again.status
+    );
+    assert_eq!(again.body, first.body);
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    let k = key("c1");
+    let a = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
+    assert_eq!(a.status, 500);
+    assert_eq!(a.json()["execution"], 1);
+    let b = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
+    assert_eq!(b.status, 500);
+    assert!(!b.replayed());
+    assert_eq!(b.json()["execution"], 2);
+    assert_eq!(up.hits(), 2);
+    // 503 and 429 are released too.
+    for code in [503, 429] {
+        let k = key("c1-released");
+        post(&c, &gw.url(&format!("/status/{code}")), Some(&k), "{}").await;
+        let r = post(&c, &gw.url(&format!("/status/{code}")), Some(&k), "{}").await;
+        assert!(!r.replayed(), "{code} was stored");
+    }
+}
+
+#[tokio::test]
+async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_runs_once_more() {
+    let raw = raw_upstream(RawAction::CloseWithoutAnswer).await;
+    let gw = gateway(&format!("http://{}", raw.addr), |c| {
+        c.lease = Duration::from_secs(1);
+    })
+    .await;
+    let c = client();
+    let k = key("c1-broken");
+    let a = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(a.problem_type(), "urn:idem:problem:upstream-failed");
+    assert_eq!(raw.hits(), 1);
+    // The request was sent: its effect is unknown, so no second run inside the lease.
+    let b = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
+    assert_in_flight(&b);
+    assert_eq!(raw.hits(), 1);
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let d = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
+    assert_eq!(d.status, 502);
+    assert_eq!(
+        raw.hits(),
+        2,
+        "after the lease a retry runs exactly once more"
+    );
+}
+
+#[tokio::test]
+async fn reset_mid_response_headers_is_a_held_502() {
+    // The upstream starts an answer and closes the socket half-way through its head.
+    let raw = raw_upstream(RawAction::WriteAndClose(
+        b"HTTP/1.1 200 OK\r\nContent-Ty".to_vec(),
+    ))
+    .await;
+    let gw = gateway(&format!("http://{}", raw.addr), |c| {
+        c.lease = Duration::from_secs(5)
+    })
+    .await;
+    let c = client();
+    let k = key("reset");
+    let a = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
+    assert_eq!(a.status, 502);
+    assert_eq!(a.problem_type(), "urn:idem:problem:upstream-failed");
+    assert_in_flight(&post(&c, &gw.url("/pay"), Some(&k), "{}").await);
+    assert_eq!(raw.hits(), 1);
+}
+
+#[tokio::test]
+async fn reset_mid_response_body_holds_the_key() {
+    // Headers and part of the body arrive, then the upstream closes the socket.
+    let raw = raw_upstream(RawAction::WriteAndClose(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial".to_vec(),
+    ))
+    .await;
+    let gw = gateway(&format!("http://{}", raw.addr), |c| {
+        c.lease = Duration::from_secs(5)
+    })
+    .await;
+    let c = client();
+    let k = key("reset-body");
+    let resp = c
+        .post(gw.url("/pay"))
+        .header("idempotency-key", &k)
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await;
+    // Whatever the first caller sees, it is not a complete success ...
+    if let Ok(resp) = resp {
+        let status = resp.status().as_u16();
+        let body = resp.bytes().await;
+        assert!(
+            status >= 500 || body.is_err(),
+            "a truncated upstream answer reached the client as complete: {status}"
+        );
+    }
+    // ... and the key is held: the upstream may have acted.
+    assert_in_flight(&post(&c, &gw.url("/pay"), Some(&k), "{}").await);
+    assert_eq!(raw.hits(), 1);
+}
+
+#[tokio::test]
+async fn c2_406_is_replayed_as_406_with_its_body() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    let k = key("c2");
+    let a = post(&c, &gw.url("/status/406"), Some(&k), "{}").await;
+    assert_eq!(a.status, 406);
+    let b = post(&c, &gw.url("/status/406"), Some(&k), "{}").await;
+    assert_eq!(b.status, 406);
+    assert!(b.replayed());
+    assert_eq!(b.body, a.body);
+    assert_eq!(
+        b.header("content-type").as_deref(),
+        Some("application/json")
+    );
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn d2_client_gone_before_the_answer_still_stores_it() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let k = key("d2");
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(150))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(gw.url("/slow?ms=500"))
+        .header("idempotency-key", &k)
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client was meant to give up");
+    // The upstream call goes on and its result is stored: retries see 409
+    // until it lands, then the replay.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let r = loop {
+        let r = post(&client(), &gw.url("/slow?ms=500"), Some(&k), "{}").await;
+        if r.status != 409 || Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        r.replayed(),
+        "the result was not stored after the client left"
+    );
+    assert_eq!(r.text(), "slow 1");
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn d2_client_gone_mid_request_body_never_reaches_the_upstream() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let k = key("d2-body");
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: gw\r\nIdempotency-Key: {k}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"item\":"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(s);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(up.hits(), 0, "a partial body was forwarded");
+    let r = post(&client(), &gw.url("/orders"), Some(&k), r#"{"item":"x"}"#).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert!(!r.replayed());
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn e1_requests_without_a_key_pass_through_and_blank_keys_are_400() {
+    let up = upstream().await;
+    let mem = MemoryStore::new();
+    let gw = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
+    let c = client();
+    let a = post(&c, &gw.url("/orders"), None, "{}").await;
+    let b = post(&c, &gw.url("/orders"), None, "{}").await;
+    assert_eq!((a.status, b.status), (201, 201));
+    assert_eq!(up.hits(), 2);
+    assert!(mem.is_empty(), "a request without a key touched the store");
+    for blank in ["", "   ", "\"\"", "\"  \""] {
+        let r = post(&c, &gw.url("/orders"), Some(blank), "{}").await;
+        assert_eq!(r.status, 400, "key {blank:?}: {}", r.text());
+        assert_eq!(r.problem_type(), "urn:idem:problem:invalid-key");
+    }
+    assert_eq!(up.hits(), 2);
+    assert!(mem.is_empty());
+}
+
+#[tokio::test]
+async fn malformed_keys_are_400_and_never_reach_the_upstream() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    for bad in ["\"abc", "\"a\"b\"", &"x".repeat(256), "a\tb"] {
+        let r = post(&c, &gw.url("/orders"), Some(bad), "{}").await;
+        assert_eq!(r.status, 400, "key {bad:?}: {}", r.text());
+        assert_eq!(
+            r.header("content-type").as_deref(),
+            Some("application/problem+json")
+        );
+    }
+    // Two key fields.
+    let mut h = HeaderMap::new();
+    h.append("idempotency-key", HeaderValue::from_static("one"));
+    h.append("idempotency-key", HeaderValue::from_static("two"));
+    let r = read(
+        c.post(gw.url("/orders"))
+            .headers(h)
+            .body("{}")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.problem_type(), "urn:idem:problem:multiple-keys");
+    assert_eq!(up.hits(), 0);
+
+    // 255 characters is fine, and "k" as an sf-string is the same key as k.
+    let long = format!("{}-{}", key("l"), "y".repeat(200));
+    let long = &long[..255.min(long.len())];
+    assert_eq!(
+        post(&c, &gw.url("/orders"), Some(long), "{}").await.status,
+        201
+    );
+    let k = key("sf");
+    let a = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    let b = post(&c, &gw.url("/orders"), Some(&format!("\"{k}\"")), "{}").await;
+    assert_eq!(a.status, 201);
+    assert!(b.replayed(), "an sf-string key differs from its bare token");
+    assert_eq!(up.hits(), 2);
+}
+
+#[tokio::test]
+async fn e2_same_key_on_another_path_body_or_method_is_422() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    let k = key("e2");
+    let a = post(&c, &gw.url("/orders"), Some(&k), r#"{"n":1}"#).await;
+    assert_eq!(a.status, 201);
+    let other_path = post(&c, &gw.url("/refunds"), Some(&k), r#"{"n":1}"#).await;
+    assert_eq!(other_path.status, 422, "{}", other_path.text());
+    assert_eq!(other_path.problem_type(), "urn:idem:problem:key-mismatch");
+    let other_body = post(&c, &gw.url("/orders"), Some(&k), r#"{"n":2}"#).await;
+    assert_eq!(other_body.status, 422);
+    let other_method = read(
+        c.patch(gw.url("/orders"))
+            .header("idempotency-key", &k)
+            .header("content-type", "application/json")
+            .body(r#"{"n":1}"#)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(other_method.status, 422);
+    let other_query = post(&c, &gw.url("/orders?x=1"), Some(&k), r#"{"n":1}"#).await;
+    assert_eq!(other_query.status, 422);
+    assert_eq!(up.hits(), 1);
+
+    // While the original is still in flight, a different request is 422 too.
+    let k = key("e2-inflight");
+    let url = gw.url("/slow?ms=500");
+    let (x, y) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        post(&c, &gw.url("/orders"), Some(&k), "{}").await
+    });
+    assert_eq!(x.status, 200);
+    assert_eq!(y.status, 422);
+}
+
+#[tokio::test]
+async fn e3_callers_with_different_credentials_do_not_share_keys() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |_| {}).await;
+    let c = client();
+    let k = key("e3");
+    let send = |auth: &'static str| {
+        let c = c.clone();
+        let (url, k) = (gw.url("/orders"), k.clone());
+        async move {
+            read(
+                c.post(url)
+                    .header("idempotency-key", k)
+                    .header("authorization", auth)
+                    .header("content-type", "application/json")
+                    .body("{}")
+                    .send()
+                    .await
+                    .unwrap(),
+            )
+            .await
+        }
+    };
+    let alice = send("Bearer alice").await;
+    let bob = send("Bearer bob").await;
+    assert_eq!((alice.status, bob.status), (201, 201));
+    assert!(!bob.replayed(), "bob got alice's response");
+    assert_ne!(alice.body, bob.body);
+    assert_eq!(up.hits(), 2);
+    let alice2 = send("Bearer alice").await;
+    let bob2 = send("Bearer bob").await;
+    assert!(alice2.replayed() && bob2.replayed());
+    assert_eq!(alice2.body, alice.body);
+    assert_eq!(bob2.body, bob.body);
+    assert_eq!(up.hits(), 2);
+}
+
+#[tokio::test]
+async fn f1_after_the_ttl_the_same_key_runs_again() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| {
+        c.ttl = Duration::from_secs(1);
+        c.lease = Duration::from_secs(1);
+    })
+    .await;
+    let c = client();
+    let k = key("f1");
+    assert_eq!(
+        post(&c, &gw.url("/orders"), Some(&k), "{}").await.status,
+        201
+    );
+    let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert!(r.replayed());
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert_eq!(r.status, 201);
+    assert!(!r.replayed(), "replayed past its TTL");
+    assert_eq!(up.hits(), 2);
+}
+
+#[tokio::test]
+async fn upstream_down_is_502_released_and_the_retry_runs_once_it_is_up() {
+    let port = free_port(); // bound and closed: nothing listens there
+    let gw = gateway(&format!("http://127.0.0.1:{port}"), |_| {}).await;
+    let c = client();
+    let k = key("down");
+    let a = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(a.problem_type(), "urn:idem:problem:upstream-unreachable");
+    assert_eq!(
+        a.header("content-type").as_deref(),
+        Some("application/problem+json")
+    );
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let up = upstream_on(listener).await;
+    let b = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert_eq!(b.status, 201, "{}", b.text());
+    assert!(!b.replayed());
+    assert_eq!(up.hits(), 1);
+    let again = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert!(again.replayed());
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| {
+        c.upstream_timeout = Duration::from_millis(300);
+        c.lease = Duration::from_secs(1);
+    })
+    .await;
+    let c = client();
+    let k = key("timeout");
+    let url = gw.url("/slow-first?ms=3000");
+    let t0 = Instant::now();
+    let a = post(&c, &url, Some(&k), "{}").await;
+    assert_eq!(a.status, 504, "{}", a.text());
+    assert_eq!(a.problem_type(), "urn:idem:problem:upstream-timeout");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    // The first call may still land: no second execution inside the lease.
+    let b = post(&c, &url, Some(&k), "{}").await;
+    assert_in_flight(&b);
+    assert_eq!(up.hits(), 1);
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let d = post(&c, &url, Some(&k), "{}").await;
+    assert_eq!(d.status, 200, "{}", d.text());
+    assert_eq!(d.text(), "slow-first 2");
+    assert_eq!(up.hits(), 2);
+}
+
+#[tokio::test]
+async fn store_unavailable_is_503_and_the_upstream_is_not_called() {
+    let up = upstream().await;
+    let store = SwitchStore::new();
+    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
+    let c = client();
+    store.set(Mode::Unavailable);
+    let r = post(&c, &gw.url("/orders"), Some(&key("s503")), "{}").await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
+    assert_eq!(
+        up.hits(),
+        0,
+        "the upstream was called although the store failed"
+    );
+    assert!(store.begins.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    // Unguarded traffic does not need the store.
+    assert_eq!(post(&c, &gw.url("/orders"), None, "{}").await.status, 201);
+    store.set(Mode::Healthy);
+    assert_eq!(
+        post(&c, &gw.url("/orders"), Some(&key("s503-ok")), "{}")
+            .await
+            .status,
+        201
+    );
+    assert_eq!(up.hits(), 2);
+}
+
+#[tokio::test]
+async fn corrupt_record_is_500_and_the_gateway_keeps_serving() {
+    let up = upstream().await;
+    let store = SwitchStore::new();
+    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
+    let c = client();
+    store.set(Mode::Corrupt);
+    let r = post(&c, &gw.url("/orders"), Some(&key("corrupt")), "{}").await;
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idem:problem:corrupt-record");
+    assert_eq!(up.hits(), 0);
+    store.set(Mode::Healthy);
+    let r = post(&c, &gw.url("/orders"), Some(&key("after-corrupt")), "{}").await;
+    assert_eq!(r.status, 201);
+    let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    assert_eq!(r.status, 200);
+}
+
+/// The same two failures with a real SQLite file damaged behind the
+/// gateway's back: a record whose response does not decode, then a table
+/// that is gone.
+#[tokio::test]
+async fn sqlite_corrupt_record_is_500_and_a_broken_store_is_503() {
+    let up = upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("idem.db");
+    let mut cfg = config(&up.url());
+    cfg.store = format!("sqlite://{}", db.display());
+    let gw = idem_gateway::Gateway::bind(cfg).await.unwrap();
+    let addr = gw.local_addr();
+    let serve = tokio::spawn(gw.serve(std::future::pending()));
+    let url = |p: &str| format!("http://{addr}{p}");
+    let c = client();
+    let k = key("sqlite-corrupt");
+    assert_eq!(post(&c, &url("/orders"), Some(&k), "{}").await.status, 201);
+
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", db.display()))
+        .await
+        .unwrap();
+    let n = sqlx::query("UPDATE idem_records SET response = x'09' WHERE key = ?")
+        .bind(&k)
+        .execute(&pool)
+        .await
+        .unwrap()
+        .rows_affected();
+    assert_eq!(n, 1);
+    let r = post(&c, &url("/orders"), Some(&k), "{}").await;
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idem:problem:corrupt-record");
+    // Other keys still work.
+    assert_eq!(
+        post(&c, &url("/orders"), Some(&key("sqlite-ok")), "{}")
+            .await
+            .status,
+        201
+    );
+    assert_eq!(up.hits(), 2);
+
+    sqlx::query("DROP TABLE idem_records")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let r = post(&c, &url("/orders"), Some(&key("sqlite-gone")), "{}").await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
+    assert_eq!(
+        up.hits(),
+        2,
+        "the upstream was called although the store failed"
+    );
+    let r = read(c.get(url("/_idem/health")).send().await.unwrap()).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    serve.abort();
+}
+
+#[tokio::test]
+async fn response_over_the_retention_limit_reaches_the_first_caller_only() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| c.retention_limit = 1024).await;
+    let c = client();
+    let k = key("large");
+    let a = post(&c, &gw.url("/large?bytes=50000"), Some(&k), "{}").await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.body.len(), 50_000);
+    let b = post(&c, &gw.url("/large?bytes=50000"), Some(&k), "{}").await;
+    assert_eq!(b.status, 410, "{}", b.text());
+    assert_eq!(b.problem_type(), "urn:idem:problem:response-not-retained");
+    assert_eq!(
+        up.hits(),
+        1,
+        "a duplicate of an oversized response ran again"
+    );
+}
+
+#[tokio::test]
+async fn require_key_refuses_guarded_requests_without_one() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| c.require_key = true).await;
+    let c = client();
+    let r = post(&c, &gw.url("/orders"), None, "{}").await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.problem_type(), "urn:idem:problem:key-required");
+    assert_eq!(
+        read(c.get(gw.url("/items")).send().await.unwrap())
+            .await
+            .status,
+        200
+    );
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn put_is_guarded_only_when_configured() {
+    let up = upstream().await;
+    let c = client();
+    let send = |url: String, k: String| {
+        let c = c.clone();
+        async move {
+            read(
+                c.put(url)
+                    .header("idempotency-key", k)
+                    .body("{}")
+                    .send()
+                    .await
+                    .unwrap(),
+            )
+            .await
+        }
+    };
+    let gw = gateway(&up.url(), |_| {}).await;
+    let k = key("put");
+    send(gw.url("/echo"), k.clone()).await;
+    assert!(!send(gw.url("/echo"), k.clone()).await.replayed());
+    assert_eq!(up.hits(), 2);
+    let gw = gateway(&up.url(), |c| {
+        c.methods = vec![http::Method::POST, http::Method::PUT]
+    })
+    .await;
+    send(gw.url("/echo"), k.clone()).await;
+    assert!(send(gw.url("/echo"), k).await.replayed());
+    assert_eq!(up.hits(), 3);
+}
