@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use http::header::AUTHORIZATION;
-use http::{Method, Uri};
+use http::{HeaderName, Method, Uri};
 use idem_http::ScopeBy;
 
 /// Flags of `idem gateway`. Every flag can also be set by an environment
@@ -106,6 +106,22 @@ pub struct GatewayArgs {
     /// then gets its replay; `0` answers 409 at once.
     #[arg(long, env = "IDEM_WAIT", value_name = "DURATION", default_value = "0", value_parser = parse_duration)]
     pub wait: Duration,
+
+    /// Request headers that identify the caller: a key is scoped by the
+    /// SHA-256 over these headers' names and values (every field, in the
+    /// order given), so two callers that send the same key never share a
+    /// record. Repeat the flag or separate names by commas
+    /// (`--scope-header x-api-key,x-tenant`); case-insensitive. A request
+    /// carrying none of them falls into one shared anonymous scope.
+    /// `Idempotency-Key` and hop-by-hop fields are refused.
+    #[arg(
+        long = "scope-header",
+        env = "IDEM_SCOPE_HEADER",
+        value_name = "NAME",
+        default_value = "authorization",
+        value_delimiter = ','
+    )]
+    pub scope_header: Vec<String>,
 }
 
 impl GatewayArgs {
@@ -114,9 +130,20 @@ impl GatewayArgs {
     /// # Errors
     /// [`ConfigError`] when the lease is 0, the TTL is shorter than the
     /// lease, the upstream timeout or the body limit is 0, no method is
-    /// given, or the store URL names an unsupported scheme.
+    /// given, the store URL names an unsupported scheme, or a
+    /// `--scope-header` name is not a usable header name
+    /// ([`ConfigError::ScopeHeader`]).
     pub fn into_config(self) -> Result<GatewayConfig, ConfigError> {
+        let mut names: Vec<HeaderName> = Vec::with_capacity(self.scope_header.len());
+        for raw in &self.scope_header {
+            let name = parse_scope_header(raw).map_err(ConfigError::ScopeHeader)?;
+            // A name given twice would only hash its values twice.
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
         let mut config = GatewayConfig::new(self.upstream);
+        config.scope = ScopeBy::Headers(names);
         config.listen = self.listen;
         config.store = self.store;
         config.ttl = self.ttl;
@@ -163,12 +190,15 @@ pub struct GatewayConfig {
     /// How long a duplicate waits for an in-flight original (default 0: 409 at once).
     pub wait: Duration,
     /// How the caller's scope is derived (default: a SHA-256 of the
-    /// `Authorization` fields; none → the anonymous scope). Not a flag yet.
+    /// `Authorization` fields; none → the anonymous scope). `--scope-header`
+    /// sets `ScopeBy::Headers`; [`GatewayConfig::validate`] refuses an empty
+    /// header list and names [`parse_scope_header`] refuses.
     pub scope: ScopeBy,
     /// How often expired records are purged (default 60 s). Not a flag.
     pub purge_interval: Duration,
-    /// How long a graceful shutdown waits for in-flight requests before it
-    /// gives up on them (default 30 s). Not a flag.
+    /// How long a graceful shutdown waits, in all, for in-flight requests
+    /// and for the runs of guarded requests whose clients already left,
+    /// before it gives up on them (default 30 s). Not a flag.
     pub shutdown_grace: Duration,
 }
 
@@ -224,6 +254,18 @@ impl GatewayConfig {
             check_method(m).map_err(ConfigError::Method)?;
         }
         crate::store::StoreKind::of_url(&self.store).map_err(ConfigError::Store)?;
+        if let ScopeBy::Headers(names) = &self.scope {
+            if names.is_empty() {
+                return Err(ConfigError::ScopeHeader(
+                    "no header named; every caller would share one scope \
+                     (use ScopeBy::Fixed for that on purpose)"
+                        .into(),
+                ));
+            }
+            for name in names {
+                check_scope_header(name).map_err(ConfigError::ScopeHeader)?;
+            }
+        }
         Ok(())
     }
 }
@@ -263,6 +305,10 @@ pub enum ConfigError {
     /// The store URL is not usable.
     #[error("--store: {0}")]
     Store(#[source] idem_core::StoreError),
+    /// A `--scope-header` name is not a valid header name or cannot identify
+    /// a caller, or no scope header is given.
+    #[error("--scope-header: {0}")]
+    ScopeHeader(String),
 }
 
 /// Parses a duration such as `500ms`, `30s`, `24h` or `0`.
@@ -325,6 +371,50 @@ pub fn parse_method(s: &str) -> Result<Method, String> {
         .map_err(|_| format!("{t:?} is not a valid method name"))?;
     check_method(&m)?;
     Ok(m)
+}
+
+/// Parses one `--scope-header` name, case-insensitive (`X-Api-Key` →
+/// `x-api-key`), and refuses those that cannot identify a caller.
+///
+/// ```
+/// assert_eq!(idem_gateway::parse_scope_header(" X-Api-Key ").unwrap(), "x-api-key");
+/// assert!(idem_gateway::parse_scope_header("x api key").is_err());
+/// assert!(idem_gateway::parse_scope_header("Idempotency-Key").is_err());
+/// ```
+///
+/// # Errors
+/// A message for an empty name, one that is not an RFC 9110 field name
+/// (a token: letters, digits and ``!#$%&'*+-.^_`|~``), `Idempotency-Key`
+/// itself, or a hop-by-hop field ([`crate::HOP_BY_HOP`]), which describes
+/// the connection rather than the caller.
+pub fn parse_scope_header(s: &str) -> Result<HeaderName, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        return Err(
+            "empty header name (use a comma-separated list such as authorization,x-api-key)".into(),
+        );
+    }
+    let name = HeaderName::from_bytes(t.as_bytes())
+        .map_err(|_| format!("{t:?} is not a valid header name"))?;
+    check_scope_header(&name)?;
+    Ok(name)
+}
+
+fn check_scope_header(name: &HeaderName) -> Result<(), String> {
+    if name.as_str() == "idempotency-key" {
+        return Err(
+            "Idempotency-Key cannot scope itself; name a header that identifies the caller, \
+             such as authorization or x-api-key"
+                .into(),
+        );
+    }
+    if crate::proxy::HOP_BY_HOP.contains(&name.as_str()) {
+        return Err(format!(
+            "{name} is a hop-by-hop field that describes the connection, not the caller; \
+             name a header such as authorization or x-api-key"
+        ));
+    }
+    Ok(())
 }
 
 fn check_method(m: &Method) -> Result<(), String> {
@@ -420,6 +510,81 @@ mod tests {
         assert_eq!(c.retention_limit, 1_048_576);
         assert_eq!(c.upstream_timeout, Duration::from_secs(30));
         assert_eq!(c.wait, Duration::ZERO);
+        assert_eq!(scope_names(&c), vec!["authorization"]);
+    }
+
+    fn scope_names(c: &GatewayConfig) -> Vec<String> {
+        match &c.scope {
+            ScopeBy::Headers(names) => names.iter().map(ToString::to_string).collect(),
+            ScopeBy::Fixed(s) => panic!("fixed scope {s:?}"),
+        }
+    }
+
+    #[test]
+    fn scope_headers_are_repeatable_and_comma_separated() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        let c = g(&["--scope-header", "X-Api-Key"]).unwrap();
+        assert_eq!(scope_names(&c), vec!["x-api-key"]);
+        let c = g(&[
+            "--scope-header",
+            "authorization, x-api-key",
+            "--scope-header",
+            "X-Tenant",
+            "--scope-header",
+            "x-api-key",
+        ])
+        .unwrap();
+        assert_eq!(
+            scope_names(&c),
+            vec!["authorization", "x-api-key", "x-tenant"],
+            "in order, duplicates dropped"
+        );
+        let c = g(&["--scope-header=cookie"]).unwrap();
+        assert_eq!(scope_names(&c), vec!["cookie"]);
+    }
+
+    #[test]
+    fn bad_scope_headers_are_config_errors() {
+        for bad in [
+            "x api key",
+            "x-api-key:",
+            "caf\u{e9}",
+            "",
+            "a,,b",
+            "idempotency-key",
+            "Connection",
+            "transfer-encoding",
+        ] {
+            let r = parse(&[
+                "--upstream",
+                "http://x:1",
+                "--store",
+                "memory://",
+                "--scope-header",
+                bad,
+            ])
+            .unwrap()
+            .g
+            .into_config();
+            match r {
+                Err(e @ ConfigError::ScopeHeader(_)) => {
+                    assert!(e.to_string().starts_with("--scope-header: "), "{e}")
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        let mut c = GatewayConfig::new("http://x:1".parse().unwrap());
+        c.store = "memory://".into();
+        c.scope = ScopeBy::Headers(Vec::new());
+        assert!(matches!(c.validate(), Err(ConfigError::ScopeHeader(_))));
+        c.scope = ScopeBy::Headers(vec![HeaderName::from_static("upgrade")]);
+        assert!(matches!(c.validate(), Err(ConfigError::ScopeHeader(_))));
+        c.scope = ScopeBy::Fixed(idem_core::Scope::new("tenant").unwrap());
+        assert!(c.validate().is_ok());
     }
 
     #[test]

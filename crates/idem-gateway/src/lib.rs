@@ -45,6 +45,19 @@
 //! | `--retention-limit` | `IDEM_RETENTION_LIMIT` | `1MiB` | largest response body kept for replay |
 //! | `--upstream-timeout` | `IDEM_UPSTREAM_TIMEOUT` | `30s` | time allowed for the upstream's response headers |
 //! | `--wait` | `IDEM_WAIT` | `0` | how long a duplicate waits for the original (0: 409 at once) |
+//! | `--scope-header NAME` | `IDEM_SCOPE_HEADER` | `authorization` | headers whose values scope a key (SHA-256 over them); repeatable, comma-separated |
+//!
+//! ## Whose key it is
+//!
+//! A key belongs to the caller that sent it: the record is addressed by the
+//! key *and* a scope, the SHA-256 over the names and values of the
+//! `--scope-header` fields (by default every `Authorization` field, in
+//! order). Two callers with different credentials that pick the same key
+//! each run once and each get their own response. A request carrying none
+//! of the headers falls into one shared anonymous scope, so put the gateway
+//! behind whatever authenticates callers, or require the header upstream.
+//! Name the header your callers authenticate with, e.g.
+//! `--scope-header x-api-key`.
 //!
 //! ## What the proxy does to a request
 //!
@@ -79,6 +92,8 @@
 //! | connection refused / connect timeout (nothing sent) | 502 `upstream-unreachable` | released: a retry runs |
 //! | no response headers within `--upstream-timeout` | 504 `upstream-timeout` | held until its lease ends (the call may still land) |
 //! | connection broke after the request was sent | 502 `upstream-failed` | held until its lease ends |
+//! | body broke before `--retention-limit` bytes (buffered, nothing sent yet) | 502 `upstream-failed` | held until its lease ends |
+//! | body broke past `--retention-limit` (already streaming) | the upstream's status, body cut short | completed without its body: duplicates get 410 |
 //! | upstream answered 5xx, 408, 409, 425, 429 | as answered | released |
 //! | upstream answered anything else | as answered | stored and replayed |
 //! | store unreachable when the request arrives | 503 (from the layer) | upstream not called |
@@ -96,10 +111,13 @@
 //! ## Shutdown and housekeeping
 //!
 //! On SIGINT or SIGTERM ([`shutdown_signal`]) the gateway stops accepting,
-//! closes idle keep-alive connections, and lets in-flight requests finish
-//! (at most [`GatewayConfig::shutdown_grace`], 30 s): their results are
-//! stored before their responses leave. Expired records are purged every
-//! [`GatewayConfig::purge_interval`] (60 s).
+//! closes idle keep-alive connections, and lets in-flight requests finish:
+//! their results are stored before their responses leave. It then waits for
+//! guarded requests whose clients already disconnected (they run on in the
+//! layer's tracked tasks) to store their results too. The whole wait is
+//! bounded by [`GatewayConfig::shutdown_grace`] (30 s); keys of runs still
+//! going then stay in flight until their leases end. Expired records are
+//! purged every [`GatewayConfig::purge_interval`] (60 s).
 
 mod config;
 mod proxy;
@@ -107,8 +125,8 @@ mod server;
 mod store;
 
 pub use config::{
-    parse_duration, parse_method, parse_size, parse_upstream, ConfigError, GatewayArgs,
-    GatewayConfig,
+    parse_duration, parse_method, parse_scope_header, parse_size, parse_upstream, ConfigError,
+    GatewayArgs, GatewayConfig,
 };
 pub use proxy::{append_forwarded_for, strip_hop_by_hop, HOP_BY_HOP};
 pub use server::{shutdown_signal, Gateway, GatewayError, RESERVED_PREFIX};

@@ -18,7 +18,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use idem_core::{DynStore, IdempotencyKey, Scope, StoreError};
-use idem_http::{problem, BoxBody, IdempotencyLayer};
+use idem_http::{problem, BoxBody, IdempotencyLayer, ScopeBy};
 use tokio::net::TcpListener;
 use tower::{Layer, ServiceExt};
 
@@ -156,9 +156,13 @@ impl Gateway {
     }
 
     /// Serves until `shutdown` resolves, then shuts down gracefully: stops
-    /// accepting, closes idle connections, and waits up to
-    /// [`GatewayConfig::shutdown_grace`] (default 30 s) for in-flight
-    /// requests to finish and their results to be stored.
+    /// accepting, closes idle connections, waits for in-flight requests to
+    /// finish, and then for the runs of guarded requests whose clients have
+    /// already left (they go on in the layer's tracked tasks,
+    /// [`IdempotencyLayer::tracker`]) to store their results. Both waits
+    /// together take at most [`GatewayConfig::shutdown_grace`] (default
+    /// 30 s) from the moment `shutdown` resolves; runs still going then are
+    /// abandoned and their keys stay in flight until their leases end.
     ///
     /// A background task purges expired records every
     /// [`GatewayConfig::purge_interval`]; its errors are logged.
@@ -189,6 +193,13 @@ impl Gateway {
             .with_wait(config.wait);
         let client = proxy::client(config.upstream_timeout);
         let methods: Vec<&str> = config.methods.iter().map(Method::as_str).collect();
+        let scope = match &config.scope {
+            ScopeBy::Headers(names) => {
+                let names: Vec<&str> = names.iter().map(http::HeaderName::as_str).collect();
+                format!("headers:{}", names.join(","))
+            }
+            ScopeBy::Fixed(_) => "fixed".to_owned(),
+        };
         tracing::info!(
             listen = %local_addr,
             upstream = %config.upstream,
@@ -201,6 +212,7 @@ impl Gateway {
             retention_limit = config.retention_limit,
             upstream_timeout = %humantime::format_duration(config.upstream_timeout),
             wait = %humantime::format_duration(config.wait),
+            scope = %scope,
             "idem gateway listening"
         );
 
@@ -248,15 +260,35 @@ impl Gateway {
             });
         }
         drop(listener);
+        let tracker = layer.tracker().clone();
         tracing::info!(
             connections = graceful.count(),
+            runs = tracker.len(),
             "shutting down: no new connections; waiting for in-flight requests"
         );
+        let deadline = tokio::time::Instant::now() + config.shutdown_grace;
         tokio::select! {
             () = graceful.shutdown() => tracing::info!("all connections closed"),
-            () = tokio::time::sleep(config.shutdown_grace) => tracing::warn!(
+            () = tokio::time::sleep_until(deadline) => tracing::warn!(
                 grace = %humantime::format_duration(config.shutdown_grace),
                 "in-flight requests did not finish in time; their keys stay in flight until their leases end"
+            ),
+        }
+        // Guarded requests whose clients left run on in the layer's tasks;
+        // wait for them to store their results before the process can exit.
+        tracker.close();
+        if !tracker.is_empty() {
+            tracing::info!(
+                runs = tracker.len(),
+                "waiting for guarded requests whose clients left to store their results"
+            );
+        }
+        tokio::select! {
+            () = tracker.wait() => {}
+            () = tokio::time::sleep_until(deadline) => tracing::warn!(
+                runs = tracker.len(),
+                grace = %humantime::format_duration(config.shutdown_grace),
+                "guarded requests did not finish in time; their keys stay in flight until their leases end"
             ),
         }
         purge.abort();

@@ -278,6 +278,38 @@ async fn reset_mid_response_body_holds_the_key() {
     .await;
     let c = client();
     let k = key("reset-body");
+    // The body broke while the layer buffered it for the store, before a
+    // byte was sent: the first caller gets a complete 502 problem, not the
+    // upstream's 200 with a truncated body ...
+    let a = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(a.problem_type(), "urn:idem:problem:upstream-failed");
+    assert_eq!(
+        a.header("content-type").as_deref(),
+        Some("application/problem+json")
+    );
+    let detail = a.json()["detail"].as_str().unwrap_or("").to_owned();
+    assert!(
+        detail.contains("unknown") && detail.contains("lease"),
+        "{detail}"
+    );
+    assert!(!a.text().contains("partial"), "the partial body leaked");
+    // ... and the key is held: the upstream may have acted.
+    assert_in_flight(&post(&c, &gw.url("/pay"), Some(&k), "{}").await);
+    assert_eq!(raw.hits(), 1);
+}
+
+#[tokio::test]
+async fn reset_mid_response_body_past_the_retention_limit_truncates_and_completes() {
+    // 40 bytes of a promised 100, over a 16-byte retention limit: the layer
+    // has completed the key and started streaming before the break, so the
+    // first caller sees a truncated body and a duplicate gets 410.
+    let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n".to_vec();
+    answer.extend_from_slice(&[b'x'; 40]);
+    let raw = raw_upstream(RawAction::WriteAndClose(answer)).await;
+    let gw = gateway(&format!("http://{}", raw.addr), |c| c.retention_limit = 16).await;
+    let c = client();
+    let k = key("reset-big");
     let resp = c
         .post(gw.url("/pay"))
         .header("idempotency-key", &k)
@@ -285,18 +317,73 @@ async fn reset_mid_response_body_holds_the_key() {
         .body("{}")
         .send()
         .await;
-    // Whatever the first caller sees, it is not a complete success ...
     if let Ok(resp) = resp {
-        let status = resp.status().as_u16();
-        let body = resp.bytes().await;
-        assert!(
-            status >= 500 || body.is_err(),
-            "a truncated upstream answer reached the client as complete: {status}"
-        );
+        assert_eq!(resp.status().as_u16(), 200);
+        assert!(resp.bytes().await.is_err(), "the stream was cut short");
     }
-    // ... and the key is held: the upstream may have acted.
-    assert_in_flight(&post(&c, &gw.url("/pay"), Some(&k), "{}").await);
+    let dup = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
+    assert_eq!(dup.status, 410, "{}", dup.text());
+    assert_eq!(dup.problem_type(), "urn:idem:problem:response-not-retained");
     assert_eq!(raw.hits(), 1);
+}
+
+#[tokio::test]
+async fn scope_header_flag_keeps_api_keys_apart() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        g: idem_gateway::GatewayArgs,
+    }
+    let up = upstream().await;
+    let url = up.url();
+    let cli = Cli::try_parse_from([
+        "idem",
+        "--upstream",
+        url.as_str(),
+        "--store",
+        "memory://",
+        "--listen",
+        "127.0.0.1:0",
+        "--scope-header",
+        "X-Api-Key",
+    ])
+    .expect("--scope-header is a flag");
+    let config = cli.g.into_config().unwrap();
+    let gw = gateway_with(config, Arc::new(MemoryStore::new())).await;
+    let c = client();
+    let k = key("scope-header");
+    let send = |api_key: &'static str| {
+        let c = c.clone();
+        let (url, k) = (gw.url("/orders"), k.clone());
+        async move {
+            read(
+                c.post(url)
+                    .header("idempotency-key", k)
+                    .header("x-api-key", api_key)
+                    // Not part of the scope any more.
+                    .header("authorization", "Bearer shared")
+                    .header("content-type", "application/json")
+                    .body("{}")
+                    .send()
+                    .await
+                    .unwrap(),
+            )
+            .await
+        }
+    };
+    let a = send("key-a").await;
+    let b = send("key-b").await;
+    assert_eq!((a.status, b.status), (201, 201));
+    assert!(!a.replayed() && !b.replayed(), "b got a's response");
+    assert_ne!(a.body, b.body);
+    assert_eq!(up.hits(), 2, "two callers, two executions");
+    let a2 = send("key-a").await;
+    let b2 = send("key-b").await;
+    assert!(a2.replayed() && b2.replayed());
+    assert_eq!(a2.body, a.body);
+    assert_eq!(b2.body, b.body);
+    assert_eq!(up.hits(), 2, "same X-Api-Key: replayed");
 }
 
 #[tokio::test]

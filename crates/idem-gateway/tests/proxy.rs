@@ -388,6 +388,97 @@ async fn graceful_shutdown_lets_in_flight_requests_finish_and_store() {
 }
 
 #[tokio::test]
+async fn shutdown_waits_for_the_run_of_a_client_that_left() {
+    let up = upstream().await;
+    let mem = MemoryStore::new();
+    let mut gw = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
+    let k = key("left");
+    // The client gives up long before the 1 s upstream call ends; its
+    // connection closes, the run goes on in the layer's spawned task.
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(gw.url("/slow?ms=1000"))
+        .header("idempotency-key", &k)
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client was meant to give up");
+    assert_eq!(up.hits(), 1);
+    // Let the gateway notice the closed connection: no connection is left
+    // for the graceful shutdown to wait on.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t0 = Instant::now();
+    gw.signal_shutdown();
+    gw.task.take().unwrap().await.unwrap().unwrap();
+    // `serve` returned only once the run had stored its result.
+    let rec = mem
+        .get(
+            &idem_core::Scope::anonymous(),
+            &idem_core::IdempotencyKey::new(k.clone()).unwrap(),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            rec,
+            Some(idem_core::Record {
+                state: idem_core::RecordState::Completed { .. },
+                ..
+            })
+        ),
+        "serve returned {:?} after the shutdown signal with the result not stored: {rec:?}",
+        t0.elapsed()
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        t0.elapsed()
+    );
+    // A new gateway on the same store replays it.
+    let gw2 = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
+    let r = post(&client(), &gw2.url("/slow?ms=1000"), Some(&k), "{}").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.replayed());
+    assert_eq!(r.text(), "slow 1");
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn shutdown_gives_up_on_a_left_run_after_the_grace() {
+    let up = upstream().await;
+    let gw_cfg = {
+        let mut c = config(&up.url());
+        c.shutdown_grace = Duration::from_millis(300);
+        c
+    };
+    let mut gw = gateway_with(gw_cfg, Arc::new(MemoryStore::new())).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(gw.url("/slow?ms=5000"))
+        .header("idempotency-key", key("grace"))
+        .body("{}")
+        .send()
+        .await;
+    assert!(gone.is_err());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    gw.signal_shutdown();
+    gw.task.take().unwrap().await.unwrap().unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "the grace bounds the wait: {:?}",
+        t0.elapsed()
+    );
+}
+
+#[tokio::test]
 async fn idle_keep_alive_connections_do_not_block_shutdown() {
     let up = upstream().await;
     let gw = gateway(&up.url(), |c| c.shutdown_grace = Duration::from_secs(20)).await;

@@ -9,12 +9,14 @@ use http_body::{Body, Frame, SizeHint};
 
 use crate::{BoxBody, BoxError};
 
-/// A buffered prefix, then either an error (the inner body failed while it
-/// was buffered) or the rest of the inner body, then the trailers seen while
-/// buffering.
+/// A buffered prefix, then the rest of the inner body (if any), then the
+/// trailers seen while buffering.
+///
+/// A body that failed while it was buffered is never sent: the caller gets
+/// a 502 instead (see `first_response`). Only the unbuffered `rest` past the
+/// retention limit can still fail, and its error is passed on as is.
 pub(crate) struct Prefixed {
     prefix: Bytes,
-    error: Option<BoxError>,
     rest: Option<BoxBody>,
     trailers: Option<HeaderMap>,
 }
@@ -23,7 +25,6 @@ impl std::fmt::Debug for Prefixed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Prefixed")
             .field("prefix_len", &self.prefix.len())
-            .field("error", &self.error)
             .field("rest", &self.rest.is_some())
             .field("trailers", &self.trailers)
             .finish()
@@ -35,7 +36,6 @@ impl Prefixed {
     pub(crate) fn complete(body: Bytes, trailers: Option<HeaderMap>) -> Self {
         Self {
             prefix: body,
-            error: None,
             rest: None,
             trailers,
         }
@@ -45,18 +45,7 @@ impl Prefixed {
     pub(crate) fn then(prefix: Bytes, rest: BoxBody) -> Self {
         Self {
             prefix,
-            error: None,
             rest: Some(rest),
-            trailers: None,
-        }
-    }
-
-    /// `prefix` was buffered, then the body failed with `error`.
-    pub(crate) fn failed(prefix: Bytes, error: BoxError) -> Self {
-        Self {
-            prefix,
-            error: Some(error),
-            rest: None,
             trailers: None,
         }
     }
@@ -74,9 +63,6 @@ impl Body for Prefixed {
         if !this.prefix.is_empty() {
             return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut this.prefix)))));
         }
-        if let Some(e) = this.error.take() {
-            return Poll::Ready(Some(Err(e)));
-        }
         if let Some(rest) = this.rest.as_mut() {
             match ready!(Pin::new(rest).poll_frame(cx)) {
                 Some(frame) => return Poll::Ready(Some(frame)),
@@ -88,20 +74,12 @@ impl Body for Prefixed {
 
     fn is_end_stream(&self) -> bool {
         self.prefix.is_empty()
-            && self.error.is_none()
             && self.rest.as_ref().is_none_or(Body::is_end_stream)
             && self.trailers.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
         let n = self.prefix.len() as u64;
-        if self.error.is_some() {
-            // Unknown length, so the failure reaches the client as a broken
-            // (chunked) body rather than a complete-looking one.
-            let mut h = SizeHint::new();
-            h.set_lower(n);
-            return h;
-        }
         let rest = self
             .rest
             .as_ref()
@@ -131,9 +109,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn prefix_then_error() {
-        let b = Prefixed::failed(Bytes::from_static(b"he"), "boom".into());
-        assert_eq!(b.size_hint().exact(), None);
+    async fn an_error_in_the_rest_is_passed_on() {
+        let rest = http_body_util::StreamBody::new(futures::stream::iter(vec![Err::<
+            Frame<Bytes>,
+            BoxError,
+        >(
+            "boom".into()
+        )]))
+        .boxed_unsync();
+        let b = Prefixed::then(Bytes::from_static(b"he"), rest);
         assert!(b.collect().await.is_err());
     }
 

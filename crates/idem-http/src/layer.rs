@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use http::{Method, StatusCode};
 use idem_core::{Action, DynStore, Engine, EngineConfig, Store};
+use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
 use crate::policy::{default_policy, Disposition};
@@ -75,10 +76,15 @@ impl Options {
 /// The tower layer. `IdempotencyLayer::new(store)` then `with_*` builders:
 /// `with_methods(Vec<Method>)`, `with_require_key(bool)`, `with_scope(ScopeBy)`,
 /// `with_max_body(usize)`, `with_retention_limit(usize)`, `with_lease(Duration)`,
-/// `with_ttl(Duration)`, `with_wait(Duration)`, `with_policy(fn)`.
+/// `with_ttl(Duration)`, `with_wait(Duration)`, `with_policy(fn)`,
+/// `with_tracker(TaskTracker)`.
 ///
 /// It wraps a service into an [`IdempotencyService`]; see the
 /// [crate docs](crate) for the behaviour.
+///
+/// Every guarded request runs in a task spawned on its [`TaskTracker`]
+/// ([`IdempotencyLayer::tracker`]), so a server can wait for runs whose
+/// clients have left before the process exits (see the tracker's docs).
 ///
 /// ```
 /// use std::time::Duration;
@@ -93,21 +99,66 @@ impl Options {
 pub struct IdempotencyLayer {
     store: DynStore,
     options: Options,
+    tracker: TaskTracker,
 }
 
 impl IdempotencyLayer {
     /// A layer over `store` (any [`Store`], including a [`DynStore`]) with
-    /// [`Options::default`].
+    /// [`Options::default`] and a new [`TaskTracker`].
     pub fn new(store: impl Store) -> Self {
+        Self::from_parts(Arc::new(store), Options::default())
+    }
+
+    /// A layer over a shared store with explicit options and a new
+    /// [`TaskTracker`].
+    pub fn from_parts(store: DynStore, options: Options) -> Self {
         Self {
-            store: Arc::new(store),
-            options: Options::default(),
+            store,
+            options,
+            tracker: TaskTracker::new(),
         }
     }
 
-    /// A layer over a shared store with explicit options.
-    pub fn from_parts(store: DynStore, options: Options) -> Self {
-        Self { store, options }
+    /// The tracker of the tasks that run guarded requests (shared by every
+    /// service this layer makes, and by clones of the layer).
+    ///
+    /// A guarded request runs in a spawned task, so it goes on — and stores
+    /// its result — after its client disconnects. To let those runs finish
+    /// before the process exits, stop serving and then close the tracker and
+    /// wait for it, bounded by a grace period of your choosing:
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use std::time::Duration;
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new());
+    /// let tracker = layer.tracker().clone();
+    /// // ... serve with `layer` until shutdown, then:
+    /// tracker.close();
+    /// let finished = tokio::time::timeout(Duration::from_secs(30), tracker.wait()).await;
+    /// assert!(finished.is_ok());
+    /// # });
+    /// ```
+    ///
+    /// Closing only marks the tracker: requests that still arrive are run
+    /// and tracked as before, and [`TaskTracker::wait`] returns once the
+    /// tracker is closed and no task is left.
+    pub fn tracker(&self) -> &TaskTracker {
+        &self.tracker
+    }
+
+    /// Tracks the tasks of guarded requests on `tracker` (default: a new
+    /// tracker per layer), e.g. one the server also uses for its own tasks.
+    ///
+    /// ```
+    /// use idem_http::TaskTracker;
+    /// let tracker = TaskTracker::new();
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_tracker(tracker.clone());
+    /// assert!(layer.tracker().is_empty());
+    /// ```
+    pub fn with_tracker(mut self, tracker: TaskTracker) -> Self {
+        self.tracker = tracker;
+        self
     }
 
     /// The store.
@@ -194,6 +245,13 @@ impl IdempotencyLayer {
     /// limit the key completes without the body and a duplicate gets 410
     /// `urn:idem:problem:response-not-retained` (never a second execution).
     ///
+    /// Within the limit the body is buffered before the first caller is
+    /// answered, so a body that fails is answered with a 502
+    /// `urn:idem:problem:upstream-failed` and the key is held until its lease
+    /// ends. Past the limit the response is already streaming: a failure
+    /// cuts the first caller's body short (unavoidably), and the key stays
+    /// completed without its body.
+    ///
     /// ```
     /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
     ///     .with_retention_limit(256 * 1024);
@@ -273,7 +331,12 @@ impl<S> Layer<S> for IdempotencyLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         let engine = Engine::with_config(self.store.clone(), self.options.engine_config());
-        IdempotencyService::new(inner, engine, Arc::new(self.options.clone()))
+        IdempotencyService::new(
+            inner,
+            engine,
+            Arc::new(self.options.clone()),
+            self.tracker.clone(),
+        )
     }
 }
 

@@ -23,8 +23,25 @@
 //!    answering the first caller.
 //!
 //! Guarded requests run in a spawned task, so a client that disconnects
-//! does not cancel the inner call or the save. Requests of other methods,
-//! and guarded requests without a key, stream through untouched.
+//! does not cancel the inner call or the save. The tasks are tracked
+//! ([`IdempotencyLayer::tracker`], a [`TaskTracker`]) so a server can wait
+//! for them at shutdown instead of exiting before their results are stored.
+//! Requests of other methods, and guarded requests without a key, stream
+//! through untouched.
+//!
+//! ## A response body that fails
+//!
+//! A stored response's body is buffered (up to the retention limit) before
+//! the first caller is answered. If it fails while it is buffered (an
+//! upstream that resets mid-body), nothing has been sent yet: the caller
+//! gets a complete 502 `upstream-failed` problem instead of the status with
+//! a truncated body, and the key is **held** until its lease ends (the inner
+//! service answered, so it may have acted). Past the retention limit the
+//! key is already completed (without its body) and the rest streams through:
+//! a failure there can only cut the first caller's stream short, and a
+//! duplicate gets 410 `response-not-retained` (never a second execution).
+//! Bodies of released or held responses (5xx, 408, 409, 425, 429) are not
+//! buffered; a failure there reaches the caller as a broken stream.
 //! Every error the layer itself produces is `application/problem+json`
 //! (RFC 9457, [`problem()`]).
 //!
@@ -38,6 +55,7 @@
 //! | 413 `body-too-large`               | request body larger than [`Options::max_body`]            |
 //! | 422 `key-mismatch`                 | same key, different method/path/query/content type/body   |
 //! | 500 `corrupt-record`, `internal`   | undecodable record; the inner service panicked            |
+//! | 502 `upstream-failed`              | the response body failed while it was buffered (key held) |
 //! | 503 `store-unavailable`, `store-full` | the store failed before the run (the inner service is not called) |
 //!
 //! ## Example (axum 0.8)
@@ -81,6 +99,9 @@ pub use policy::{default_policy, Disposition};
 pub use problem::{problem, Problem, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 pub use scope::ScopeBy;
 pub use service::IdempotencyService;
+/// The tracker of the tasks that run guarded requests (re-exported from
+/// `tokio-util`), see [`IdempotencyLayer::tracker`].
+pub use tokio_util::task::TaskTracker;
 
 /// A boxed body error.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

@@ -130,7 +130,8 @@ impl Problem {
 /// Kinds the layer produces: `invalid-key`, `multiple-keys`, `key-required`,
 /// `body-too-large`, `body-unreadable`, `in-flight`, `key-mismatch`,
 /// `response-not-retained`, `store-unavailable`, `store-full`,
-/// `corrupt-record`, `internal`.
+/// `corrupt-record`, `internal`, `upstream-failed` (a response body that
+/// failed while it was buffered).
 ///
 /// ```
 /// use http::StatusCode;

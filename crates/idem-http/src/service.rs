@@ -11,6 +11,7 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use idem_core::{
     Action, DynStore, Engine, Fingerprint, IdempotencyKey, Outcome, Saved, Scope, StoreError,
 };
+use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
 use crate::body::Prefixed;
@@ -34,21 +35,30 @@ use crate::{BoxBody, BoxError};
 /// - `RB: http_body::Body<Data = Bytes> + Send + 'static`, `RB::Error: Into<BoxError>`.
 ///
 /// Guarded requests run in a spawned task (when a tokio runtime is
-/// present), so a client that disconnects does not cancel the inner call or
-/// the save. An inner `Err` releases the key and is returned as is.
+/// present) tracked by the layer's [`TaskTracker`], so a client that
+/// disconnects does not cancel the inner call or the save, and a server can
+/// wait for such runs at shutdown. An inner `Err` releases the key and is
+/// returned as is.
 #[derive(Debug, Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
     engine: Engine<DynStore>,
     options: Arc<Options>,
+    tracker: TaskTracker,
 }
 
 impl<S> IdempotencyService<S> {
-    pub(crate) fn new(inner: S, engine: Engine<DynStore>, options: Arc<Options>) -> Self {
+    pub(crate) fn new(
+        inner: S,
+        engine: Engine<DynStore>,
+        options: Arc<Options>,
+        tracker: TaskTracker,
+    ) -> Self {
         Self {
             inner,
             engine,
             options,
+            tracker,
         }
     }
 
@@ -142,7 +152,7 @@ where
             key,
             log,
         };
-        guarded.respond::<S, S::Future, S::Error, B, RB>(inner, req)
+        guarded.respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
     }
 }
 
@@ -157,12 +167,17 @@ struct Guarded {
 
 impl Guarded {
     /// Reads the body (413/400 on failure, key untouched), fingerprints the
-    /// request, then runs [`Guarded::run`] in a spawned task.
+    /// request, then runs [`Guarded::run`] in a task spawned on `tracker`.
     ///
     /// Generic over the inner service's future `F` and error `E` (rather
     /// than naming `S::Future` / `S::Error` inside the async block) so the
     /// future is provably `Send`.
-    fn respond<S, F, E, B, RB>(self, inner: S, req: Request<B>) -> ResponseFuture<E>
+    fn respond<S, F, E, B, RB>(
+        self,
+        inner: S,
+        req: Request<B>,
+        tracker: TaskTracker,
+    ) -> ResponseFuture<E>
     where
         S: Service<Request<BoxBody>, Response = Response<RB>, Future = F, Error = E>
             + Send
@@ -196,7 +211,7 @@ impl Guarded {
             let req = Request::from_parts(parts, full(bytes));
             let job = self.run::<S, F, E, RB>(inner, req, fingerprint);
             match tokio::runtime::Handle::try_current() {
-                Ok(rt) => match rt.spawn(job).await {
+                Ok(rt) => match tracker.spawn_on(job, &rt).await {
                     Ok(result) => result,
                     Err(e) => {
                         // The inner service panicked (or the runtime is
@@ -441,13 +456,40 @@ where
                 )
             }
             Captured::Failed { prefix, error } => {
-                // The outcome is unknown: hold the key until its lease ends.
-                tracing::warn!(target: "idem", error = %error, "the response body failed; the key is held until its lease ends");
-                (Prefixed::failed(prefix, error).boxed_unsync(), Action::Hold)
+                // Nothing was sent yet (the body is buffered before the
+                // answer), so the caller gets a complete 502 rather than the
+                // status with a truncated body. The inner service answered,
+                // so it may have acted: the outcome is unknown and the key
+                // is held until its lease ends.
+                tracing::warn!(
+                    target: "idem",
+                    status = parts.status.as_u16(),
+                    received = prefix.len(),
+                    error = %error,
+                    "the response body failed while it was buffered; answering 502, the key is held until its lease ends"
+                );
+                return (body_failed(parts.status, prefix.len()), Action::Hold);
             }
         },
     };
     (Response::from_parts(parts, body), action)
+}
+
+/// The 502 `upstream-failed` answer for a response whose body failed while
+/// it was buffered for the store.
+fn body_failed(status: StatusCode, received: usize) -> Response<BoxBody> {
+    Problem::new(
+        StatusCode::BAD_GATEWAY,
+        "upstream-failed",
+        format!(
+            "The response (status {}) failed after {received} bytes of its body, before \
+             anything was sent. Its outcome is unknown, so this Idempotency-Key is held \
+             until its lease ends; a retry with the same key is accepted after that.",
+            status.as_u16()
+        ),
+    )
+    .with_member("upstream_status", status.as_u16())
+    .into_response()
 }
 
 enum Captured {
@@ -458,7 +500,7 @@ enum Captured {
     },
     /// More than the limit: what was read, and the rest.
     OverLimit { prefix: Bytes, rest: BoxBody },
-    /// The body failed after `prefix`.
+    /// The body failed after `prefix` (nothing was sent yet).
     Failed { prefix: Bytes, error: BoxError },
 }
 

@@ -194,6 +194,20 @@ async fn broken_stream(State(app): State<App>) -> AxumResponse {
         .into_response()
 }
 
+/// 2,000 bytes (over a 1,024-byte retention limit), then a failure.
+async fn broken_big_stream(State(app): State<App>) -> AxumResponse {
+    app.calls.fetch_add(1, Ordering::SeqCst);
+    let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+        Ok(Bytes::from(pattern(2000))),
+        Err(std::io::Error::other("upstream reset")),
+    ];
+    (
+        StatusCode::CREATED,
+        AxumBody::from_stream(futures::stream::iter(chunks)),
+    )
+        .into_response()
+}
+
 async fn panics(State(app): State<App>) -> StatusCode {
     app.calls.fetch_add(1, Ordering::SeqCst);
     if app.calls() > 0 {
@@ -247,6 +261,7 @@ fn router(app: App) -> Router {
         .route("/big", post(big))
         .route("/big-stream", post(big_stream))
         .route("/broken-stream", post(broken_stream))
+        .route("/broken-big-stream", post(broken_big_stream))
         .route("/panic", post(panics))
         .route("/gated", post(gated))
         .route("/hold", post(hold_502))
@@ -967,6 +982,37 @@ async fn a_dropped_service_future_does_not_cancel_the_run() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tracker_waits_for_runs_whose_callers_left() {
+    use tower::ServiceExt;
+    let store = MemoryStore::new();
+    let app = App::default();
+    let tracker = idem_http::TaskTracker::new();
+    let layer = IdempotencyLayer::new(store.clone()).with_tracker(tracker.clone());
+    assert!(layer.tracker().is_empty());
+    let svc = router(app.clone()).layer(layer);
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri("/orders")
+        .header("idempotency-key", "tracked")
+        .header("x-delay-ms", "400")
+        .body(AxumBody::from("{}"))
+        .unwrap();
+    // The caller leaves after 50 ms, mid-handler; the run goes on, tracked.
+    let cut = tokio::time::timeout(Duration::from_millis(50), svc.oneshot(req)).await;
+    assert!(cut.is_err());
+    assert_eq!(tracker.len(), 1, "the run is tracked");
+    assert!(completed(&anon_key(&store, "tracked").await).is_none());
+    tracker.close();
+    tokio::time::timeout(Duration::from_secs(5), tracker.wait())
+        .await
+        .expect("the run finished");
+    // Once the tracker is done, the result is stored: no polling needed.
+    let rec = anon_key(&store, "tracked").await;
+    assert_eq!(completed(&rec).expect("stored").status, 201);
+    assert_eq!(app.finished.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_passes_through_untouched() {
     let store = MemoryStore::new();
     let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
@@ -1033,19 +1079,60 @@ async fn disposition_overrides_the_policy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_body_that_fails_mid_stream_holds_the_key_b3() {
+async fn a_body_that_fails_while_buffered_is_a_502_and_holds_the_key_b3() {
     let clock = ManualClock::starting_now();
     let store = MemoryStore::new().with_clock(clock.clone());
     let (addr, app) =
         serve(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(5))).await;
-    let first = try_send(addr, post_json("/broken-stream", Some("b3"), "{}")).await;
-    assert!(first.is_err(), "the failure reaches the client: {first:?}");
+    // The body fails within the retention limit, while the layer still
+    // buffers it: nothing was sent yet, so the first caller gets a complete
+    // 502 problem instead of a 200 with a truncated body.
+    let first = send(addr, post_json("/broken-stream", Some("b3"), "{}")).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{first:?}");
+    assert_eq!(first.problem(), "urn:idem:problem:upstream-failed");
+    let detail = first.json()["detail"].as_str().unwrap().to_owned();
+    assert!(
+        detail.contains("unknown") && detail.contains("lease"),
+        "{detail}"
+    );
+    assert!(!first.replayed());
+    assert!(
+        !first.body.starts_with(b"partial"),
+        "the partial body leaked"
+    );
+    let rec = anon_key(&store, "b3").await;
+    assert!(
+        matches!(
+            rec,
+            Some(Record {
+                state: RecordState::InProgress { .. },
+                ..
+            })
+        ),
+        "held: {rec:?}"
+    );
     let dup = send(addr, post_json("/broken-stream", Some("b3"), "{}")).await;
     assert_eq!(dup.status, StatusCode::CONFLICT, "outcome unknown: held");
     assert_eq!(app.calls(), 1);
     clock.advance(Duration::from_millis(5001));
     let _ = try_send(addr, post_json("/broken-stream", Some("b3"), "{}")).await;
     assert_eq!(app.calls(), 2, "never stuck past the lease");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_fails_past_the_retention_limit_is_truncated_and_completed() {
+    // Past the limit the layer has already completed the key (without the
+    // body) and streams on: a later failure can only cut the stream short.
+    let store = MemoryStore::new();
+    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_retention_limit(1024)).await;
+    let first = try_send(addr, post_json("/broken-big-stream", Some("b3-big"), "{}")).await;
+    assert!(first.is_err(), "the failure reaches the client: {first:?}");
+    let rec = anon_key(&store, "b3-big").await;
+    let stored = completed(&rec).expect("completed before streaming on");
+    assert!(stored.body_omitted);
+    let dup = send(addr, post_json("/broken-big-stream", Some("b3-big"), "{}")).await;
+    assert_eq!(dup.status, StatusCode::GONE);
+    assert_eq!(app.calls(), 1, "never a second execution");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
