@@ -1,1 +1,206 @@
-fn main() {}
+//! `idem`: the command-line front end of idem.
+//!
+//! - `idem gateway` runs the idempotency gateway, a reverse proxy that makes
+//!   POST/PATCH requests carrying an `Idempotency-Key` header take effect
+//!   once for any HTTP service behind it.
+//! - `idem demo` starts a sample payment service with a gateway in front of
+//!   it, fires concurrent duplicate requests through the gateway and shows
+//!   that the service ran the charge once.
+
+mod demo;
+
+use std::error::Error;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use idem_gateway::{Gateway, GatewayArgs};
+use tracing_subscriber::EnvFilter;
+
+/// Make write operations take effect exactly once per Idempotency-Key.
+#[derive(Debug, Parser)]
+#[command(
+    name = "idem",
+    version,
+    about = "Make write operations take effect exactly once per Idempotency-Key",
+    long_about = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
+                  `idem gateway` is a reverse proxy that gives any HTTP service the guarantee \
+                  without a change to its code; `idem demo` shows it at work in front of a \
+                  sample payment service.",
+    after_help = "Start with `idem demo`. Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=debug) \
+                  to change how much is logged."
+)]
+struct Cli {
+    /// Log format (logs go to stderr).
+    #[arg(
+        long,
+        global = true,
+        display_order = 1000,
+        env = "IDEM_LOG_FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text
+    )]
+    log_format: LogFormat,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the gateway: a reverse proxy that makes requests carrying an
+    /// Idempotency-Key take effect once.
+    #[command(
+        long_about = "Run the gateway: a reverse proxy in front of --upstream that makes \
+                      guarded requests (POST and PATCH by default) carrying an Idempotency-Key \
+                      header take effect once. The first request with a key runs upstream; its \
+                      response is stored and replayed (with `Idempotent-Replayed: true`) to \
+                      every retry with the same key and the same request; a retry while the \
+                      first is still running gets 409 with Retry-After; the same key with a \
+                      different request gets 422. Every flag can also be set by the IDEM_* \
+                      environment variable shown next to it.",
+        after_help = "Example:\n  idem gateway --listen 127.0.0.1:8080 --upstream http://127.0.0.1:3000 \
+                      --store sqlite://idem.db"
+    )]
+    Gateway(GatewayArgs),
+
+    /// Start a sample payment service behind a gateway and show that 20
+    /// concurrent duplicate requests charge once.
+    #[command(long_about = demo::LONG_ABOUT)]
+    Demo(demo::DemoArgs),
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default_filter = match cli.command {
+        Command::Gateway(_) => "info",
+        // The demo prints its own story on stdout; logs would interleave with
+        // it, so only warnings unless RUST_LOG asks for more.
+        Command::Demo(_) => "warn",
+    };
+    if let Err(e) = init_logging(cli.log_format, default_filter) {
+        eprintln!("idem: {e}");
+        return ExitCode::from(2);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idem: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Gateway(args) => run_gateway(args).await,
+            Command::Demo(args) => demo::run(args).await,
+        }
+    })
+}
+
+/// Installs the tracing subscriber: `RUST_LOG` when set, else `default_filter`.
+fn init_logging(format: LogFormat, default_filter: &str) -> Result<(), String> {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.trim().is_empty() => {
+            EnvFilter::try_new(&v).map_err(|e| format!("invalid RUST_LOG value {v:?}: {e}"))?
+        }
+        _ => EnvFilter::new(default_filter),
+    };
+    // Colours only on a terminal, and not when NO_COLOR is set.
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
+    let result = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+    result.map_err(|e| format!("cannot install the logger: {e}"))
+}
+
+/// `idem gateway`: binds, serves until Ctrl-C / SIGTERM, then drains.
+async fn run_gateway(args: GatewayArgs) -> ExitCode {
+    let config = match args.into_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("idem gateway: invalid configuration: {}", chain(&e));
+            eprintln!("Run `idem gateway --help` for the flags and their IDEM_* variables.");
+            return ExitCode::from(2);
+        }
+    };
+    let gateway = match Gateway::bind(config).await {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("idem gateway: cannot start: {}", chain(&e));
+            return ExitCode::FAILURE;
+        }
+    };
+    match gateway.serve(idem_gateway::shutdown_signal()).await {
+        Ok(()) => {
+            tracing::info!("idem gateway stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("idem gateway: {}", chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// An error and its sources, joined with ": ".
+pub(crate) fn chain(e: &dyn Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        // Some errors repeat their source in their own message.
+        if !out.contains(&s_text) {
+            out.push_str(": ");
+            out.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_valid() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn chain_joins_sources_once() {
+        let outer = Wrapped(std::io::Error::other("disk gone"));
+        assert_eq!(chain(&outer), "wrapped: disk gone");
+    }
+
+    #[derive(Debug)]
+    struct Wrapped(std::io::Error);
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("wrapped")
+        }
+    }
+    impl Error for Wrapped {
+        fn source(&self) -> Option<&(dyn Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+}

@@ -62,6 +62,9 @@ struct Inner {
     map: HashMap<Arc<RecordKey>, Entry>,
     /// Completed records by (expiry, completion order): expired and oldest first.
     by_expiry: BTreeMap<(Millis, u64), Arc<RecordKey>>,
+    /// In-flight records by (lease end, fence): the first ones are those
+    /// whose lease ended, found without scanning the map.
+    by_lease: BTreeMap<(Millis, u64), Arc<RecordKey>>,
     bytes: usize,
     next_fence: u64,
     next_seq: u64,
@@ -77,7 +80,12 @@ impl Inner {
             } => {
                 self.by_expiry.remove(&(*expires_at, *seq));
             }
-            State::InProgress { waiters, .. } => {
+            State::InProgress {
+                waiters,
+                fence,
+                lease_until,
+            } => {
+                self.by_lease.remove(&(*lease_until, *fence));
                 if let Some(w) = waiters {
                     w.notify_waiters();
                 }
@@ -86,42 +94,87 @@ impl Inner {
         Some(e)
     }
 
-    /// Makes room for `extra` bytes and one more record, evicting expired
-    /// records, then the oldest completed ones. Live in-flight records are
-    /// never evicted: that would let a second execution start.
+    /// Inserts an in-flight record, indexing its lease end.
+    fn insert_in_progress(
+        &mut self,
+        k: Arc<RecordKey>,
+        fingerprint: Fingerprint,
+        fence: u64,
+        lease_until: Millis,
+        size: usize,
+    ) {
+        self.bytes += size;
+        self.by_lease.insert((lease_until, fence), k.clone());
+        self.map.insert(
+            k,
+            Entry {
+                fingerprint,
+                state: State::InProgress {
+                    fence,
+                    lease_until,
+                    waiters: None,
+                },
+                size,
+            },
+        );
+    }
+
+    /// Removes the first in-flight record whose lease ended by `now`.
+    fn pop_stale_claim(&mut self, now: Millis) -> bool {
+        match self.by_lease.first_key_value() {
+            Some((&(until, _), k)) if until <= now => {
+                let k = RecordKey::clone(k);
+                self.remove(&k);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Makes room for `extra` bytes and one more record, evicting in this
+    /// order: expired completed records, in-flight records whose lease has
+    /// ended, then the live completed records that expire soonest (oldest
+    /// first for equal TTLs). Live in-flight records are never evicted: that
+    /// would let a second execution start. Nothing is evicted when the new
+    /// record could not fit even in an empty store.
     fn make_room(
         &mut self,
         now: Millis,
         extra: usize,
         limits: &MemoryLimits,
     ) -> Result<(), StoreError> {
+        let full = |inner: &Self| StoreError::Full {
+            detail: format!(
+                "{} records, {} bytes held, {extra} bytes wanted; limits {} records, {} bytes",
+                inner.map.len(),
+                inner.bytes,
+                limits.max_entries,
+                limits.max_bytes
+            ),
+        };
+        if extra > limits.max_bytes || limits.max_entries == 0 {
+            return Err(full(self));
+        }
         while self.map.len() + 1 > limits.max_entries || self.bytes + extra > limits.max_bytes {
-            if let Some((_, k)) = self.by_expiry.pop_first() {
-                let k = RecordKey::clone(&k);
-                self.remove(&k);
+            // 1. Expired completed records.
+            if let Some((&(at, _), _)) = self.by_expiry.first_key_value() {
+                if at <= now {
+                    let (_, k) = self.by_expiry.pop_first().expect("checked non-empty");
+                    self.remove(&RecordKey::clone(&k));
+                    continue;
+                }
+            }
+            // 2. In-flight records whose lease has ended.
+            if self.pop_stale_claim(now) {
                 continue;
             }
-            // Only in-flight records remain: drop those whose lease has ended.
-            let stale: Vec<Arc<RecordKey>> = self
-                .map
-                .iter()
-                .filter(|(_, e)| matches!(e.state, State::InProgress { lease_until, .. } if lease_until <= now))
-                .map(|(k, _)| k.clone())
-                .collect();
-            if stale.is_empty() {
-                return Err(StoreError::Full {
-                    detail: format!(
-                        "{} in-flight records, {} bytes; limits {} records, {} bytes",
-                        self.map.len(),
-                        self.bytes,
-                        limits.max_entries,
-                        limits.max_bytes
-                    ),
-                });
+            // 3. Live completed records, soonest to expire first.
+            if let Some((_, k)) = self.by_expiry.pop_first() {
+                self.remove(&RecordKey::clone(&k));
+                continue;
             }
-            for k in stale {
-                self.remove(&k);
-            }
+            // Only live in-flight records remain.
+            return Err(full(self));
         }
         Ok(())
     }
@@ -252,19 +305,7 @@ impl Store for MemoryStore {
         let fence = g.next_fence;
         g.next_fence += 1;
         let until = now.add(req.lease);
-        g.bytes += size;
-        g.map.insert(
-            Arc::new(k),
-            Entry {
-                fingerprint: req.fingerprint,
-                state: State::InProgress {
-                    fence,
-                    lease_until: until,
-                    waiters: None,
-                },
-                size,
-            },
-        );
+        g.insert_in_progress(Arc::new(k), req.fingerprint, fence, until, size);
         Ok(Begin::Acquired(Lease {
             scope: req.scope.clone(),
             key: req.key.clone(),
@@ -295,20 +336,10 @@ impl Store for MemoryStore {
         let size = entry_size(&k, Some(response));
         let limits = self.limits;
         if let Err(e) = g.make_room(now, size, &limits) {
-            // Put the claim back so the key stays in flight: never freed for a second run.
-            g.bytes += old;
-            g.map.insert(
-                arc_key,
-                Entry {
-                    fingerprint,
-                    state: State::InProgress {
-                        fence: lease.fence,
-                        lease_until,
-                        waiters: None,
-                    },
-                    size: old,
-                },
-            );
+            // Put the claim back so the key stays in flight: never freed for a
+            // second run. Keep the store's lease end (the watchdog may have
+            // extended it past `lease.until`).
+            g.insert_in_progress(arc_key, fingerprint, lease.fence, lease_until, old);
             return Err(e);
         }
         let seq = g.next_seq;
@@ -348,18 +379,28 @@ impl Store for MemoryStore {
         let now = self.clock.now();
         let mut g = self.lock();
         let k: RecordKey = (lease.scope.clone(), lease.key.clone());
-        match g.map.get_mut(&k).map(|e| &mut e.state) {
-            Some(State::InProgress {
-                fence, lease_until, ..
-            }) if *fence == lease.fence => {
-                *lease_until = now.add(lease_for);
-                Ok(Lease {
-                    until: *lease_until,
-                    ..lease.clone()
-                })
-            }
-            _ => Err(lease_lost(lease.fence)),
+        let (ak, old_until) = match g.map.get_key_value(&k) {
+            Some((ak, e)) => match e.state {
+                State::InProgress {
+                    fence, lease_until, ..
+                } if fence == lease.fence => (ak.clone(), lease_until),
+                _ => return Err(lease_lost(lease.fence)),
+            },
+            None => return Err(lease_lost(lease.fence)),
+        };
+        let until = now.add(lease_for);
+        let _ = (ak, old_until);
+        if let Some(Entry {
+            state: State::InProgress { lease_until, .. },
+            ..
+        }) = g.map.get_mut(&k)
+        {
+            *lease_until = until;
         }
+        Ok(Lease {
+            until,
+            ..lease.clone()
+        })
     }
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
@@ -409,14 +450,7 @@ impl Store for MemoryStore {
             g.remove(&k);
             n += 1;
         }
-        let stale: Vec<Arc<RecordKey>> = g
-            .map
-            .iter()
-            .filter(|(_, e)| matches!(e.state, State::InProgress { lease_until, .. } if lease_until <= now))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in stale {
-            g.remove(&k);
+        while g.pop_stale_claim(now) {
             n += 1;
         }
         Ok(n)

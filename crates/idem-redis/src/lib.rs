@@ -1,0 +1,12 @@
+#![doc = include_str!("../README.md")]
+
+mod conn;
+mod keys;
+mod notify;
+mod options;
+mod scripts;
+mod store;
+mod target;
+
+pub use options::{RedisOptions, MAX_PREFIX_LEN};
+pub use store::RedisStore;

@@ -1,0 +1,663 @@
+//! The SQLite store: one file, WAL, `synchronous = FULL`, every step one
+//! atomic statement or one `BEGIN IMMEDIATE` transaction.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_core::{
+    duration_ms, Begin, BeginRequest, Clock, Fingerprint, IdempotencyKey, Lease, Millis, Phase,
+    Record, RecordState, Scope, SharedClock, Store, StoreError, StoredResponse, SystemClock,
+};
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::{Row, SqliteConnection};
+
+/// The embedded schema migrations (`migrations/sqlite` in this crate).
+static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
+
+/// Records removed per statement by [`SqliteStore::purge_expired`], so a large
+/// purge never holds the write lock for long.
+const PURGE_BATCH: i64 = 1_000;
+
+/// Record states as stored in the `state` column.
+const IN_PROGRESS: i64 = 0;
+const COMPLETED: i64 = 1;
+
+/// Settings of a [`SqliteStore`] opened with [`SqliteStore::open_with`].
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_sql::SqliteOptions;
+/// let opts = SqliteOptions::default()
+///     .with_busy_timeout(Duration::from_secs(10))
+///     .with_max_connections(8);
+/// assert_eq!(opts.busy_timeout, Duration::from_secs(10));
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct SqliteOptions {
+    /// How long a statement waits for another connection or process that
+    /// holds the write lock before failing with `SQLITE_BUSY`
+    /// (reported as [`StoreError::Unavailable`]). Default 5 s.
+    pub busy_timeout: Duration,
+    /// Most connections in the pool (default 4, at least 1). An in-memory
+    /// database always uses exactly one.
+    pub max_connections: u32,
+    /// How long a call waits for a free pooled connection before failing
+    /// with [`StoreError::Unavailable`]. Default 10 s.
+    pub acquire_timeout: Duration,
+    /// How often [`Store::wait_for_change`] polls the record (default 25 ms).
+    pub poll_interval: Duration,
+}
+
+impl Default for SqliteOptions {
+    fn default() -> Self {
+        Self {
+            busy_timeout: Duration::from_secs(5),
+            max_connections: 4,
+            acquire_timeout: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(25),
+        }
+    }
+}
+
+impl SqliteOptions {
+    /// Sets [`Self::busy_timeout`].
+    pub fn with_busy_timeout(mut self, d: Duration) -> Self {
+        self.busy_timeout = d;
+        self
+    }
+
+    /// Sets [`Self::max_connections`] (0 is taken as 1).
+    pub fn with_max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    /// Sets [`Self::acquire_timeout`].
+    pub fn with_acquire_timeout(mut self, d: Duration) -> Self {
+        self.acquire_timeout = d;
+        self
+    }
+
+    /// Sets [`Self::poll_interval`] (at least 1 ms).
+    pub fn with_poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d.max(Duration::from_millis(1));
+        self
+    }
+}
+
+/// A [`Store`] in one SQLite file: durable, and safe to share between
+/// several processes on one machine (not over a network file system: WAL
+/// needs shared memory).
+///
+/// # Durability and locking
+/// - `journal_mode = WAL`, `synchronous = FULL`: a step that returned is on
+///   disk, also after a power loss (`NORMAL` may lose the last commits on
+///   power loss, which could let a completed payment run again).
+/// - `begin` reads first without the write lock; a live record is answered
+///   from that one consistent read. Otherwise it claims the key inside a
+///   `BEGIN IMMEDIATE` transaction (the write lock is taken before the
+///   re-read, so two processes can never both read "free" and both claim).
+///   `complete`, `release`, `extend` and `delete` are single conditional
+///   statements (`UPDATE … WHERE fence = ?`), atomic on their own.
+/// - A busy database is waited for up to [`SqliteOptions::busy_timeout`]
+///   (default 5 s); after that the call fails with
+///   [`StoreError::Unavailable`] and has written nothing.
+///
+/// # Time
+/// Lease ends and expiry are milliseconds since the Unix epoch from the
+/// store's [`Clock`] (default [`SystemClock`]; [`Self::with_clock`] injects a
+/// [`idem_core::ManualClock`] in tests), bound as parameters. Processes
+/// sharing a file share the machine's clock.
+///
+/// # Fences
+/// A new claim's fence is `max(last + 1, now_ms × 1000)`, where `last` is the
+/// highest fence this database ever granted (kept in the `idem_fence`
+/// table, updated in the claiming transaction). Fences therefore strictly
+/// grow across release, expiry, purge and delete, and stay above those of
+/// an older copy of the database while the clock moves forward.
+///
+/// # Schema
+/// Tables `idem_records` and `idem_fence`, created by embedded migrations
+/// (recorded in sqlx's `_sqlx_migrations`). Use a file of its own: sqlx
+/// migrations of another application in the same file would see ours as
+/// unknown.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idem_core::StoreError> {
+/// use idem_sql::SqliteStore;
+/// let dir = std::env::temp_dir().join(format!("idem-doc-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir).unwrap();
+/// let store = SqliteStore::open(dir.join("idem.db").to_str().unwrap()).await?;
+/// # store.close().await;
+/// # std::fs::remove_dir_all(&dir).ok();
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    clock: SharedClock,
+    /// Serialises this process's write steps, so they queue here instead of
+    /// in SQLite's busy handler (which sleeps between retries). Other
+    /// processes are still excluded by SQLite's own lock.
+    write_lock: Arc<tokio::sync::Mutex<()>>,
+    poll_interval: Duration,
+}
+
+impl SqliteStore {
+    /// Opens (creating it if missing) and migrates the database at
+    /// `path_or_url`, with [`SqliteOptions::default`].
+    ///
+    /// Accepted forms: `sqlite://idem.db` (relative), `sqlite:///abs/idem.db`,
+    /// `sqlite::memory:` (one private in-memory database, for tests), with
+    /// optional sqlx query parameters, or a plain file path.
+    ///
+    /// # Errors
+    /// [`StoreError::Config`] for an empty path or a URL of another scheme;
+    /// [`StoreError::Unavailable`] (phase `Connect`) when the file cannot be
+    /// opened or created, or the migrations fail.
+    pub async fn open(path_or_url: &str) -> Result<Self, StoreError> {
+        Self::open_with(path_or_url, SqliteOptions::default()).await
+    }
+
+    /// Like [`Self::open`], with explicit settings.
+    ///
+    /// # Errors
+    /// As for [`Self::open`].
+    pub async fn open_with(path_or_url: &str, options: SqliteOptions) -> Result<Self, StoreError> {
+        let (connect, in_memory) = connect_options(path_or_url)?;
+        let connect = connect
+            .create_if_missing(true)
+            .journal_mode(if in_memory {
+                SqliteJournalMode::Memory
+            } else {
+                SqliteJournalMode::Wal
+            })
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(options.busy_timeout);
+        let mut pool = SqlitePoolOptions::new().acquire_timeout(options.acquire_timeout);
+        pool = if in_memory {
+            // The database lives as long as its one connection.
+            pool.max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+        } else {
+            pool.max_connections(options.max_connections.max(1))
+        };
+        let pool = pool
+            .connect_with(connect)
+            .await
+            .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
+        let mut store = Self::from_pool(pool).await?;
+        store.poll_interval = options.poll_interval.max(Duration::from_millis(1));
+        Ok(store)
+    }
+
+    /// Uses an existing pool and runs the migrations on it. The pool's
+    /// connect options are the caller's: set WAL, `synchronous = FULL` and a
+    /// busy timeout as [`Self::open`] does.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] (phase `Connect`) when the migrations fail.
+    pub async fn from_pool(pool: SqlitePool) -> Result<Self, StoreError> {
+        migrate(&pool).await?;
+        Ok(Self {
+            pool,
+            clock: Arc::new(SystemClock),
+            write_lock: Arc::new(tokio::sync::Mutex::new(())),
+            poll_interval: SqliteOptions::default().poll_interval,
+        })
+    }
+
+    /// Uses `clock` for lease ends and expiry (a [`idem_core::ManualClock`]
+    /// in tests). Every store sharing a file must agree on the time.
+    pub fn with_clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The connection pool (for operators' queries and tests).
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Closes every connection; calls made afterwards fail with
+    /// [`StoreError::Unavailable`].
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    fn now(&self) -> i64 {
+        to_i64(self.clock.now().0)
+    }
+}
+
+/// Parses a SQLite URL or a plain path; tells whether it names an in-memory database.
+fn connect_options(path_or_url: &str) -> Result<(SqliteConnectOptions, bool), StoreError> {
+    let s = path_or_url.trim();
+    if let Some(rest) = s.strip_prefix("sqlite:") {
+        let db = rest.strip_prefix("//").unwrap_or(rest);
+        let db_part = db.split('?').next().unwrap_or_default();
+        let in_memory = db_part == ":memory:" || db.contains("mode=memory");
+        if db_part.is_empty() && !in_memory {
+            return Err(StoreError::Config(format!(
+                "SQLite URL {path_or_url:?} names no file (try sqlite://idem.db)"
+            )));
+        }
+        let opts = SqliteConnectOptions::from_str(s)
+            .map_err(|e| StoreError::Config(format!("bad SQLite URL {path_or_url:?}: {e}")))?;
+        return Ok((opts, in_memory));
+    }
+    if s.is_empty() {
+        return Err(StoreError::Config("empty SQLite path".into()));
+    }
+    if s.contains("://") {
+        return Err(StoreError::Config(format!(
+            "{path_or_url:?} is neither a sqlite: URL nor a file path"
+        )));
+    }
+    if s == ":memory:" {
+        return connect_options("sqlite::memory:");
+    }
+    Ok((SqliteConnectOptions::new().filename(s), false))
+}
+
+/// Runs the embedded migrations. Several processes may open a new file at
+/// once; SQLite migrations take no lock, so a loser of that race retries
+/// (the migration is idempotent and then found applied).
+async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
+    let mut attempt = 0u32;
+    loop {
+        match MIGRATOR.run(pool).await {
+            Ok(()) => return Ok(()),
+            Err(e @ (MigrateError::Execute(_) | MigrateError::ExecuteMigration(..)))
+                if attempt < 5 =>
+            {
+                attempt += 1;
+                tracing::debug!(error = %e, attempt, "SQLite migration raced; retrying");
+                tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+            }
+            Err(e) => return Err(StoreError::unavailable(Phase::Connect, e)),
+        }
+    }
+}
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn unavailable(phase: Phase) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |e| StoreError::unavailable(phase, e)
+}
+
+fn corrupt(phase: Phase, detail: impl Into<String>) -> StoreError {
+    StoreError::Corrupt {
+        phase,
+        detail: detail.into(),
+    }
+}
+
+/// One row of `idem_records`, undecoded.
+#[derive(Debug)]
+struct RawRecord {
+    fingerprint: Vec<u8>,
+    state: i64,
+    fence: i64,
+    deadline: i64,
+    response: Option<Vec<u8>>,
+}
+
+impl RawRecord {
+    fn from_row(row: &SqliteRow, phase: Phase) -> Result<Self, StoreError> {
+        let col = |e: sqlx::Error| corrupt(phase, format!("undecodable column: {e}"));
+        Ok(Self {
+            fingerprint: row.try_get("fingerprint").map_err(col)?,
+            state: row.try_get("state").map_err(col)?,
+            fence: row.try_get("fence").map_err(col)?,
+            deadline: row.try_get("deadline").map_err(col)?,
+            response: row.try_get("response").map_err(col)?,
+        })
+    }
+
+    fn fingerprint(&self, phase: Phase) -> Result<Fingerprint, StoreError> {
+        <[u8; 32]>::try_from(self.fingerprint.as_slice())
+            .map(Fingerprint)
+            .map_err(|_| {
+                corrupt(
+                    phase,
+                    format!("fingerprint is {} bytes, not 32", self.fingerprint.len()),
+                )
+            })
+    }
+
+    fn fence(&self, phase: Phase) -> Result<u64, StoreError> {
+        u64::try_from(self.fence)
+            .map_err(|_| corrupt(phase, format!("negative fence {}", self.fence)))
+    }
+
+    fn response(&self, phase: Phase) -> Result<StoredResponse, StoreError> {
+        let blob = self
+            .response
+            .as_deref()
+            .ok_or_else(|| corrupt(phase, "completed record without a response"))?;
+        StoredResponse::decode(blob).map_err(|e| corrupt(phase, format!("stored response: {e}")))
+    }
+
+    /// The answer to `begin` while the record is live; `None` when it has
+    /// expired (the key may be claimed).
+    fn live_answer(
+        &self,
+        req: &BeginRequest,
+        now: i64,
+        phase: Phase,
+    ) -> Result<Option<Begin>, StoreError> {
+        if self.deadline <= now {
+            return Ok(None);
+        }
+        let same = self.fingerprint(phase)? == req.fingerprint;
+        Ok(Some(match self.state {
+            IN_PROGRESS if same => Begin::InFlight {
+                retry_after: Duration::from_millis(u64::try_from(self.deadline - now).unwrap_or(0)),
+            },
+            COMPLETED if same => Begin::Replay(self.response(phase)?),
+            IN_PROGRESS | COMPLETED => Begin::Mismatch,
+            s => return Err(corrupt(phase, format!("unknown record state {s}"))),
+        }))
+    }
+}
+
+const SELECT_RECORD: &str = "SELECT fingerprint, state, fence, deadline, response \
+     FROM idem_records WHERE scope = ?1 AND key = ?2";
+
+async fn read_record(
+    conn: &mut SqliteConnection,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    phase: Phase,
+) -> Result<Option<RawRecord>, StoreError> {
+    sqlx::query(SELECT_RECORD)
+        .bind(scope.as_str())
+        .bind(key.as_str())
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(unavailable(phase))?
+        .map(|r| RawRecord::from_row(&r, phase))
+        .transpose()
+}
+
+impl SqliteStore {
+    async fn read_pooled(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        phase: Phase,
+    ) -> Result<Option<RawRecord>, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(unavailable(phase))?;
+        read_record(&mut conn, scope, key, phase).await
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
+        const P: Phase = Phase::Begin;
+        // 1. One read, no write lock: a live record answers from it.
+        if let Some(row) = self.read_pooled(&req.scope, &req.key, P).await? {
+            if let Some(answer) = row.live_answer(req, self.now(), P)? {
+                return Ok(answer);
+            }
+        }
+        // 2. Absent or expired: claim under the write lock, re-reading first.
+        let _local = self.write_lock.lock().await;
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(unavailable(P))?;
+        // Read the time once the lock is held, so waiting for it does not
+        // shorten the new lease.
+        let now = self.now();
+        if let Some(row) = read_record(&mut tx, &req.scope, &req.key, P).await? {
+            if let Some(answer) = row.live_answer(req, now, P)? {
+                tx.rollback().await.map_err(unavailable(P))?;
+                return Ok(answer);
+            }
+        }
+        let fence: i64 = sqlx::query_scalar(
+            "INSERT INTO idem_fence (id, last) VALUES (1, ?1) \
+             ON CONFLICT (id) DO UPDATE SET last = max(last + 1, excluded.last) \
+             RETURNING last",
+        )
+        .bind(now.saturating_mul(1000))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(unavailable(P))?;
+        let fence = u64::try_from(fence)
+            .map_err(|_| corrupt(P, format!("negative fence counter {fence}")))?;
+        let until = now.saturating_add(to_i64(duration_ms(req.lease)));
+        sqlx::query(
+            "INSERT INTO idem_records (scope, key, fingerprint, state, fence, deadline, response) \
+             VALUES (?1, ?2, ?3, 0, ?4, ?5, NULL) \
+             ON CONFLICT (scope, key) DO UPDATE SET fingerprint = excluded.fingerprint, \
+             state = 0, fence = excluded.fence, deadline = excluded.deadline, response = NULL",
+        )
+        .bind(req.scope.as_str())
+        .bind(req.key.as_str())
+        .bind(req.fingerprint.as_bytes().as_slice())
+        .bind(to_i64(fence))
+        .bind(until)
+        .execute(&mut *tx)
+        .await
+        .map_err(unavailable(P))?;
+        tx.commit().await.map_err(unavailable(P))?;
+        Ok(Begin::Acquired(Lease {
+            scope: req.scope.clone(),
+            key: req.key.clone(),
+            fence,
+            until: Millis(u64::try_from(until).unwrap_or(0)),
+        }))
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        const P: Phase = Phase::Complete;
+        let blob = response.encode();
+        let _local = self.write_lock.lock().await;
+        let expires = self.now().saturating_add(to_i64(duration_ms(ttl)));
+        let done = sqlx::query(
+            "UPDATE idem_records SET state = 1, deadline = ?1, response = ?2 \
+             WHERE scope = ?3 AND key = ?4 AND state = 0 AND fence = ?5",
+        )
+        .bind(expires)
+        .bind(blob)
+        .bind(lease.scope.as_str())
+        .bind(lease.key.as_str())
+        .bind(to_i64(lease.fence))
+        .execute(&self.pool)
+        .await
+        .map_err(unavailable(P))?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::LeaseLost { fence: lease.fence })
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        let _local = self.write_lock.lock().await;
+        let done = sqlx::query(
+            "DELETE FROM idem_records WHERE scope = ?1 AND key = ?2 AND state = 0 AND fence = ?3",
+        )
+        .bind(lease.scope.as_str())
+        .bind(lease.key.as_str())
+        .bind(to_i64(lease.fence))
+        .execute(&self.pool)
+        .await
+        .map_err(unavailable(Phase::Release))?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::LeaseLost { fence: lease.fence })
+        }
+    }
+
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        let _local = self.write_lock.lock().await;
+        let until = self.now().saturating_add(to_i64(duration_ms(lease_for)));
+        let done = sqlx::query(
+            "UPDATE idem_records SET deadline = ?1 \
+             WHERE scope = ?2 AND key = ?3 AND state = 0 AND fence = ?4",
+        )
+        .bind(until)
+        .bind(lease.scope.as_str())
+        .bind(lease.key.as_str())
+        .bind(to_i64(lease.fence))
+        .execute(&self.pool)
+        .await
+        .map_err(unavailable(Phase::Extend))?;
+        if done.rows_affected() == 1 {
+            Ok(Lease {
+                until: Millis(u64::try_from(until).unwrap_or(0)),
+                ..lease.clone()
+            })
+        } else {
+            Err(StoreError::LeaseLost { fence: lease.fence })
+        }
+    }
+
+    async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        const P: Phase = Phase::Get;
+        let Some(row) = self.read_pooled(scope, key, P).await? else {
+            return Ok(None);
+        };
+        if row.deadline <= self.now() {
+            return Ok(None);
+        }
+        let fingerprint = row.fingerprint(P)?;
+        let at = Millis(u64::try_from(row.deadline).unwrap_or(0));
+        let state = match row.state {
+            IN_PROGRESS => RecordState::InProgress {
+                fence: row.fence(P)?,
+                lease_until: at,
+            },
+            COMPLETED => RecordState::Completed {
+                response: row.response(P)?,
+                expires_at: at,
+            },
+            s => return Err(corrupt(P, format!("unknown record state {s}"))),
+        };
+        Ok(Some(Record { fingerprint, state }))
+    }
+
+    async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let _local = self.write_lock.lock().await;
+        let done = sqlx::query("DELETE FROM idem_records WHERE scope = ?1 AND key = ?2")
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable(Phase::Delete))?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let _local = self.write_lock.lock().await;
+            let now = self.now();
+            let done = sqlx::query(
+                "DELETE FROM idem_records WHERE (scope, key) IN \
+                 (SELECT scope, key FROM idem_records WHERE deadline <= ?1 LIMIT ?2)",
+            )
+            .bind(now)
+            .bind(PURGE_BATCH)
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable(Phase::Purge))?;
+            total += done.rows_affected();
+            if done.rows_affected() < PURGE_BATCH as u64 {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Polls the record every [`SqliteOptions::poll_interval`] (default
+    /// 25 ms) until it is no longer the same live claim (completed,
+    /// released, taken over, or past its lease), or `max` has passed.
+    async fn wait_for_change(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        max: Duration,
+    ) -> Result<(), StoreError> {
+        const P: Phase = Phase::Get;
+        let deadline = tokio::time::Instant::now() + max;
+        let claim = |row: Option<RawRecord>, now: i64| match row {
+            Some(r) if r.state == IN_PROGRESS && r.deadline > now => Some(r.fence),
+            _ => None,
+        };
+        let Some(fence) = claim(self.read_pooled(scope, key, P).await?, self.now()) else {
+            return Ok(());
+        };
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Ok(());
+            }
+            tokio::time::sleep(left.min(self.poll_interval)).await;
+            if claim(self.read_pooled(scope, key, P).await?, self.now()) != Some(fence) {
+                return Ok(());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn url_forms() {
+        assert!(connect_options("sqlite::memory:").expect("memory").1);
+        assert!(connect_options(":memory:").expect("memory").1);
+        assert!(connect_options("sqlite://:memory:").expect("memory").1);
+        let (o, mem) = connect_options("sqlite://idem.db").expect("relative");
+        assert!(!mem);
+        assert_eq!(o.get_filename(), std::path::Path::new("idem.db"));
+        let (o, _) = connect_options("sqlite:///var/lib/idem/idem.db").expect("absolute");
+        assert_eq!(
+            o.get_filename(),
+            std::path::Path::new("/var/lib/idem/idem.db")
+        );
+        let (o, _) = connect_options("/tmp/with ? mark.db").expect("plain path");
+        assert_eq!(
+            o.get_filename(),
+            std::path::Path::new("/tmp/with ? mark.db")
+        );
+        for bad in [
+            "",
+            "  ",
+            "sqlite://",
+            "sqlite:",
+            "postgres://localhost/idem",
+            "memory://",
+        ] {
+            assert!(
+                matches!(connect_options(bad), Err(StoreError::Config(_))),
+                "{bad:?} must be a config error"
+            );
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! Engine-level checks run over any store: [`Engine::execute`] under
+//! concurrency, after a release, when its future is dropped mid-flight,
+//! when saving fails, with the lease watchdog, and in wait mode.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{
+    Action, Begin, Engine, EngineConfig, Outcome, Record, RecordState, Saved, Store, StoreError,
+};
+
+use crate::support::*;
+use crate::{Fault, FaultyStore, Harness};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn config(lease: Duration, on_cancel: Action) -> EngineConfig {
+    EngineConfig {
+        lease,
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+        watchdog: true,
+        on_cancel,
+    }
+}
+
+/// CASES A1: 16 concurrent `execute`s of one key run the operation once;
+/// the others get `InFlight` (or the replay, if they came after it ended).
+pub async fn engine_runs_once_under_concurrency<H: Harness>(h: &H) {
+    let engine = Engine::with_config(h.store(), config(Duration::from_secs(30), Action::Hold));
+    let (scope, key) = (fresh_scope(), fresh_key("engine-race"));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let barrier = Arc::new(tokio::sync::Barrier::new(16));
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (engine, scope, key, runs, barrier) = (
+                engine.clone(),
+                scope.clone(),
+                key.clone(),
+                runs.clone(),
+                barrier.clone(),
+            );
+            tokio::spawn(async move {
+                barrier.wait().await;
+                engine
+                    .execute(&scope, &key, fp("pay 10"), |_lease| async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(ms(200)).await;
+                        ((), Action::Store(response("paid")))
+                    })
+                    .await
+            })
+        })
+        .collect();
+    let mut executed = 0;
+    for t in tasks {
+        match t.await.expect("task").expect("execute") {
+            Outcome::Executed { saved, .. } => {
+                executed += 1;
+                assert!(matches!(saved, Saved::Stored), "saved: {saved:?}");
+            }
+            Outcome::InFlight { retry_after } => assert!(retry_after > Duration::ZERO),
+            Outcome::Replayed(r) => assert_eq!(r, response("paid")),
+            Outcome::Mismatch => panic!("same fingerprint cannot mismatch"),
+        }
+    }
+    assert_eq!(executed, 1, "exactly one execute runs the operation");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the operation ran once");
+    let again = engine
+        .execute(&scope, &key, fp("pay 10"), |_| async {
+            panic!("must not run again")
+        })
+        .await
+        .expect("execute");
+    assert!(
+        matches!(again, Outcome::<()>::Replayed(ref r) if *r == response("paid")),
+        "{again:?}"
+    );
+}
+
+/// CASES C1: an operation that releases (an upstream 500) is run again by
+/// the retry, exactly once more; then the stored result is replayed.
+pub async fn engine_release_lets_retry_run<H: Harness>(h: &H) {
+    let engine = Engine::with_config(h.store(), config(Duration::from_secs(30), Action::Hold));
+    let (scope, key) = (fresh_scope(), fresh_key("engine-release"));
+    let runs = AtomicUsize::new(0);
+    let first = engine
+        .execute(&scope, &key, fp("a"), |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            ((), Action::Release)
+        })
+        .await
+        .expect("execute");
+    assert!(
+        matches!(
+            first,
+            Outcome::Executed {
+                saved: Saved::Released,
+                ..
+            }
+        ),
+        "{first:?}"
+    );
+    let second = engine
+        .execute(&scope, &key, fp("a"), |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            ((), Action::Store(response("ok")))
+        })
+        .await
+        .expect("execute");
+    assert!(
+        matches!(
+            second,
+            Outcome::Executed {
+                saved: Saved::Stored,
+                ..
+            }
+        ),
+        "{second:?}"
+    );
+    let third = engine
+        .execute(&scope, &key, fp("a"), |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            ((), Action::Store(response("twice?")))
+        })
+        .await
+        .expect("execute");
+    assert!(
+        matches!(third, Outcome::Replayed(ref r) if *r == response("ok")),
+        "{third:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// Starts `execute` with an operation that never finishes, waits until it
+/// runs, then drops the future. Returns the fence the operation held.
+async fn run_and_drop<S: idem_core::Store + Clone>(
+    engine: &Engine<S>,
+    scope: &idem_core::Scope,
+    key: &idem_core::IdempotencyKey,
+) -> u64 {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let fut = engine.execute(scope, key, fp("a"), |lease| async move {
+        let _ = tx.send(lease.fence);
+        std::future::pending::<()>().await;
+        ((), Action::Store(response("never")))
+    });
+    let mut fut: Pin<Box<dyn Future<Output = _> + Send + '_>> = Box::pin(fut);
+    let fence = tokio::select! {
+        r = &mut fut => panic!("the operation never finishes, yet execute returned {r:?}"),
+        f = rx => f.expect("the operation started"),
+    };
+    drop(fut);
+    fence
+}
+
+/// A handler dropped mid-flight with `on_cancel = Hold` leaves the key in
+/// flight until its lease ends (its effect is unknown), and no longer: the
+/// watchdog stopped, so the key is acquirable once the lease has passed.
+pub async fn engine_cancel_hold_keeps_key_until_lease_end<H: Harness>(h: &H) {
+    let store = h.store();
+    let lease = Duration::from_secs(1);
+    let engine = Engine::with_config(store.clone(), config(lease, Action::Hold));
+    let (scope, key) = (fresh_scope(), fresh_key("cancel-hold"));
+    let fence = run_and_drop(&engine, &scope, &key).await;
+    let r = req(&scope, &key, fp("a"), lease);
+    expect_in_flight(&store, &r, lease).await;
+    expect_in_progress(&store, &scope, &key, fp("a"), fence).await;
+    h.advance(lease + ms(300)).await;
+    let next = acquire(&store, &r).await;
+    assert!(
+        next.fence > fence,
+        "the key was taken over with a larger fence"
+    );
+}
+
+/// A handler dropped mid-flight with `on_cancel = Release` frees the key at
+/// once (the release is spawned, so poll for it briefly), without waiting
+/// for the lease.
+pub async fn engine_cancel_release_frees_key<H: Harness>(h: &H) {
+    let store = h.store();
+    let engine = Engine::with_config(
+        store.clone(),
+        config(Duration::from_secs(30), Action::Release),
+    );
+    let (scope, key) = (fresh_scope(), fresh_key("cancel-release"));
+    let fence = run_and_drop(&engine, &scope, &key).await;
+    let freed = eventually(Duration::from_secs(3), || async {
+        get(&store, &scope, &key).await.is_none()
+    })
+    .await;
+    assert!(
+        freed,
+        "a cancelled operation with on_cancel = Release must free the key promptly"
+    );
+    let next = acquire(&store, &req(&scope, &key, fp("a"), Duration::from_secs(30))).await;
+    assert!(next.fence > fence);
+}
+
+/// CASES A1: when saving the result fails (outage or timeout), the key stays
+/// in flight — never released for a second run — until its lease ends. A
+/// failed release also leaves it held.
+pub async fn engine_failed_save_holds_key<H: Harness>(h: &H) {
+    let faulty = FaultyStore::new(h.store());
+    let lease = Duration::from_secs(1);
+    let engine = Engine::with_config(faulty.clone(), config(lease, Action::Hold));
+    let scope = fresh_scope();
+    let cases = [
+        (Fault::CompleteUnavailable, Action::Store(response("lost"))),
+        (Fault::CompleteTimeout, Action::Store(response("lost"))),
+        (Fault::ReleaseUnavailable, Action::Release),
+    ];
+    for (fault, action) in cases {
+        let key = fresh_key("failed-save");
+        faulty.set_fault(fault);
+        let releases_before = faulty.release_calls();
+        let out = engine
+            .execute(&scope, &key, fp("a"), |lease| async move {
+                (lease.fence, action)
+            })
+            .await
+            .expect("execute");
+        let fence = match out {
+            Outcome::Executed {
+                value,
+                fence,
+                saved: Saved::Failed(e),
+            } => {
+                assert_eq!(value, fence);
+                match fault {
+                    Fault::CompleteTimeout => {
+                        assert!(matches!(e, StoreError::Timeout { .. }), "{e:?}")
+                    }
+                    _ => assert!(matches!(e, StoreError::Unavailable { .. }), "{e:?}"),
+                }
+                fence
+            }
+            other => panic!("{fault:?}: expected Saved::Failed, got {other:?}"),
+        };
+        if fault != Fault::ReleaseUnavailable {
+            assert_eq!(
+                faulty.release_calls(),
+                releases_before,
+                "{fault:?}: a failed save must not release the key"
+            );
+        }
+        faulty.set_fault(Fault::None);
+        let store = h.store();
+        let r = req(&scope, &key, fp("a"), lease);
+        expect_in_flight(&store, &r, lease).await;
+        expect_in_progress(&store, &scope, &key, fp("a"), fence).await;
+        // Held, not stuck: free once the lease has passed.
+        h.advance(lease + ms(300)).await;
+        let next = acquire(&store, &r).await;
+        assert!(next.fence > fence);
+        store.release(&next).await.expect("release");
+    }
+}
+
+/// The watchdog renews the lease while a long operation runs: with a 300 ms
+/// lease and an operation that lets 1 s pass (by the store's clock), every
+/// duplicate during the run is refused and the result is stored.
+pub async fn engine_watchdog_keeps_lease_alive<H: Harness>(h: &H) {
+    let store = h.store();
+    let lease = ms(300);
+    let engine = Engine::with_config(store.clone(), config(lease, Action::Hold));
+    let (scope, key) = (fresh_scope(), fresh_key("watchdog"));
+    let r = req(&scope, &key, fp("a"), lease);
+    let out = engine
+        .execute(&scope, &key, fp("a"), |held| {
+            let (store, scope, key, r) = (store.clone(), scope.clone(), key.clone(), r.clone());
+            async move {
+                let mut last = held.until;
+                for step in 0..10 {
+                    h.advance(ms(100)).await;
+                    // Wait (real time, bounded) for the watchdog to renew past
+                    // the lease end seen before this step.
+                    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+                    loop {
+                        let rec = get(&store, &scope, &key).await;
+                        match rec {
+                            Some(Record { state: RecordState::InProgress { fence, lease_until }, .. })
+                                if fence == held.fence && lease_until > last =>
+                            {
+                                last = lease_until;
+                                break;
+                            }
+                            _ if tokio::time::Instant::now() >= deadline => panic!(
+                                "step {step}: the watchdog did not renew the lease past {last:?} (record: {rec:?})"
+                            ),
+                            _ => tokio::time::sleep(ms(5)).await,
+                        }
+                    }
+                    match store.begin(&r).await.expect("begin") {
+                        Begin::InFlight { .. } => {}
+                        other => panic!("step {step}: a duplicate during the run got {other:?}"),
+                    }
+                }
+                (held.fence, Action::Store(response("long")))
+            }
+        })
+        .await
+        .expect("execute");
+    match out {
+        Outcome::Executed {
+            saved: Saved::Stored,
+            ..
+        } => {}
+        other => panic!("expected the long operation to be stored, got {other:?}"),
+    }
+    expect_replay(&store, &r, &response("long")).await;
+}
+
+/// Wait mode: a duplicate that arrives while the original runs waits for it
+/// (woken by `wait_for_change`) and replays its result; its own operation
+/// never runs.
+pub async fn engine_wait_mode_replays<H: Harness>(h: &H) {
+    let store = h.store();
+    let first = Engine::with_config(store.clone(), config(Duration::from_secs(30), Action::Hold));
+    let waiting = Engine::with_config(
+        store.clone(),
+        EngineConfig {
+            wait: Duration::from_secs(10),
+            ..config(Duration::from_secs(30), Action::Hold)
+        },
+    );
+    let (scope, key) = (fresh_scope(), fresh_key("wait-mode"));
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    let original = {
+        let (scope, key) = (scope.clone(), key.clone());
+        tokio::spawn(async move {
+            first
+                .execute(&scope, &key, fp("a"), |_| async move {
+                    let _ = started_tx.send(());
+                    let _ = go_rx.await;
+                    ((), Action::Store(response("original")))
+                })
+                .await
+        })
+    };
+    started_rx.await.expect("the original started");
+    let duplicate = {
+        let (scope, key) = (scope.clone(), key.clone());
+        tokio::spawn(async move {
+            waiting
+                .execute(&scope, &key, fp("a"), |_| async {
+                    panic!("the duplicate must not run")
+                })
+                .await
+        })
+    };
+    tokio::time::sleep(ms(100)).await;
+    assert!(
+        !duplicate.is_finished(),
+        "the duplicate waits while the original runs"
+    );
+    let _ = go_tx.send(());
+    let out = tokio::time::timeout(Duration::from_secs(5), duplicate)
+        .await
+        .expect("the waiting duplicate must finish soon after the original")
+        .expect("task")
+        .expect("execute");
+    match out {
+        Outcome::<()>::Replayed(r) => assert_eq!(r, response("original")),
+        other => panic!("expected the duplicate to replay, got {other:?}"),
+    }
+    let orig = original.await.expect("task").expect("execute");
+    assert!(
+        matches!(
+            orig,
+            Outcome::Executed {
+                saved: Saved::Stored,
+                ..
+            }
+        ),
+        "{orig:?}"
+    );
+}

@@ -1,0 +1,79 @@
+//! The `conformance_tests!` macro.
+
+/// Writes a module `$module` (e.g. `conformance`, inside a module named
+/// `<store>_tests`) with one `#[tokio::test]` per check of
+/// [`store_checks`](crate::store_checks) and
+/// [`engine_checks`](crate::engine_checks).
+///
+/// `$make` is called once per test and returns a future of a
+/// [`Harness`](crate::Harness): a path to an `async fn` or a closure
+/// returning an `async` block. The calling crate needs `tokio` (with the
+/// `macros` and `rt-multi-thread` features) among its dev-dependencies.
+///
+/// ```no_run
+/// mod memory_tests {
+///     idem_testkit::conformance_tests!(conformance, || async { idem_testkit::MemoryHarness::new() });
+/// }
+/// ```
+///
+/// The tests run on a multi-threaded runtime (4 workers), so concurrency
+/// checks race for real.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($module:ident, $make:expr) => {
+        $crate::conformance_tests!(@module $module, $make;
+            store_checks: [
+                claim_once,
+                concurrent_begins_one_winner,
+                complete_then_replay,
+                mismatch_in_flight_and_after_completion,
+                release_then_reclaim,
+                lease_expiry_takeover_by_one,
+                sub_second_lease,
+                stale_fence_rejected,
+                late_complete_without_takeover_is_kept,
+                extend_moves_lease_end,
+                completed_record_expires_after_ttl,
+                get_and_delete,
+                purge_expired_removes_only_expired,
+                fence_grows_across_release_expiry_purge,
+                wait_for_change_returns_early_on_complete,
+                wait_for_change_returns_by_max,
+                odd_keys_and_scopes_round_trip,
+                same_key_in_two_scopes_independent,
+            ]
+            engine_checks: [
+                engine_runs_once_under_concurrency,
+                engine_release_lets_retry_run,
+                engine_cancel_hold_keeps_key_until_lease_end,
+                engine_cancel_release_frees_key,
+                engine_failed_save_holds_key,
+                engine_watchdog_keeps_lease_alive,
+                engine_wait_mode_replays,
+            ]
+        );
+    };
+    (@module $module:ident, $make:expr;
+        store_checks: [$($store_check:ident),* $(,)?]
+        engine_checks: [$($engine_check:ident),* $(,)?]
+    ) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $store_check() {
+                    let harness = ($make)().await;
+                    $crate::store_checks::$store_check(&harness).await;
+                }
+            )*
+            $(
+                #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $engine_check() {
+                    let harness = ($make)().await;
+                    $crate::engine_checks::$engine_check(&harness).await;
+                }
+            )*
+        }
+    };
+}
