@@ -119,16 +119,24 @@ impl Inner {
         );
     }
 
-    /// Removes the first in-flight record whose lease ended by `now`.
-    fn pop_stale_claim(&mut self, now: Millis) -> bool {
-        match self.by_lease.first_key_value() {
-            Some((&(until, _), k)) if until <= now => {
-                let k = RecordKey::clone(k);
-                self.remove(&k);
-                true
-            }
-            _ => false,
+    /// Takes the first entry of the lease index that ended by `now` and
+    /// removes its record if that record is still the same claim. `None` when
+    /// no lease has ended; `Some(removed)` otherwise (the index always
+    /// shrinks, so loops over this end).
+    fn pop_stale_claim(&mut self, now: Millis) -> Option<bool> {
+        let (&(until, fence), _) = self.by_lease.first_key_value()?;
+        if until > now {
+            return None;
         }
+        let (_, k) = self.by_lease.pop_first()?;
+        let same = matches!(
+            self.map.get(&*k).map(|e| &e.state),
+            Some(State::InProgress { fence: f, lease_until: u, .. }) if *f == fence && *u == until
+        );
+        if same {
+            self.remove(&RecordKey::clone(&k));
+        }
+        Some(same)
     }
 
     /// Makes room for `extra` bytes and one more record, evicting in this
@@ -165,7 +173,7 @@ impl Inner {
                 }
             }
             // 2. In-flight records whose lease has ended.
-            if self.pop_stale_claim(now) {
+            if self.pop_stale_claim(now).is_some() {
                 continue;
             }
             // 3. Live completed records, soonest to expire first.
@@ -389,7 +397,8 @@ impl Store for MemoryStore {
             None => return Err(lease_lost(lease.fence)),
         };
         let until = now.add(lease_for);
-        let _ = (ak, old_until);
+        g.by_lease.remove(&(old_until, lease.fence));
+        g.by_lease.insert((until, lease.fence), ak);
         if let Some(Entry {
             state: State::InProgress { lease_until, .. },
             ..
@@ -450,8 +459,8 @@ impl Store for MemoryStore {
             g.remove(&k);
             n += 1;
         }
-        while g.pop_stale_claim(now) {
-            n += 1;
+        while let Some(removed) = g.pop_stale_claim(now) {
+            n += u64::from(removed);
         }
         Ok(n)
     }
