@@ -176,7 +176,7 @@ fn gateway_config_errors_exit_2_with_the_flag_named() {
                 "--upstream",
                 "http://127.0.0.1:9",
                 "--store",
-                "postgres://db/x",
+                "nosuchstore://x",
             ][..],
             "--store",
         ),

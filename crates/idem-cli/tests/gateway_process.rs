@@ -550,7 +550,7 @@ fn bad_configuration_is_refused_with_a_clear_message() {
                 "--upstream",
                 "http://127.0.0.1:1",
                 "--store",
-                "postgres://db/x",
+                "mongodb://db/x",
             ],
             "sqlite://",
         ),

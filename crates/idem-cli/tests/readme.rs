@@ -93,12 +93,16 @@ fn configuration_table_matches_the_gateway_flags() {
 fn quick_start_has_the_two_commands() {
     let text = readme();
     let lines = section(&text, "## Quick start");
+    // Commands are the lines of the ```sh blocks (```text blocks show output).
     let mut commands = Vec::new();
-    let mut in_block = false;
+    let mut block: Option<&str> = None;
     for l in lines {
-        if l.starts_with("```") {
-            in_block = !in_block;
-        } else if in_block && !l.trim().is_empty() {
+        if let Some(fence) = l.strip_prefix("```") {
+            block = match block {
+                Some(_) => None,
+                None => Some(fence.trim()),
+            };
+        } else if block == Some("sh") && !l.trim().is_empty() {
             commands.push(l.trim());
         }
     }

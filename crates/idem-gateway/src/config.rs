@@ -29,7 +29,7 @@ use idem_http::ScopeBy;
 /// assert_eq!(config.listen.to_string(), "127.0.0.1:8000");
 /// assert_eq!(config.methods, vec![http::Method::POST, http::Method::PATCH]);
 /// ```
-#[derive(clap::Args, Debug, Clone)]
+#[derive(clap::Args, Clone)]
 pub struct GatewayArgs {
     /// Address to listen on, `IP:PORT`.
     #[arg(
@@ -46,7 +46,12 @@ pub struct GatewayArgs {
     pub upstream: Uri,
 
     /// Where records live: `memory://` (lost on exit), `sqlite://relative.db`
-    /// or `sqlite:///absolute/path.db` (the file is created if missing).
+    /// or `sqlite:///absolute/path.db` (created if missing),
+    /// `postgres://user:pw@host:5432/db`, `mysql://user:pw@host:3306/db`
+    /// (`mariadb://`), `redis://host:6379/` (`rediss://` for TLS),
+    /// `redis+cluster://host:port,host:port`. Gateway options go in the
+    /// query: `idem_table`, `idem_schema`, `idem_migrate` (SQL),
+    /// `idem_prefix` (Redis); see `open_store_with`.
     #[arg(
         long,
         env = "IDEM_STORE",
@@ -107,6 +112,36 @@ pub struct GatewayArgs {
     #[arg(long, env = "IDEM_WAIT", value_name = "DURATION", default_value = "0", value_parser = parse_duration)]
     pub wait: Duration,
 
+    /// Most pooled connections to a PostgreSQL or MySQL store (SQLite and
+    /// Redis ignore it). Several gateway instances each open this many.
+    #[arg(
+        long,
+        env = "IDEM_STORE_POOL_SIZE",
+        value_name = "N",
+        default_value = "16"
+    )]
+    pub store_pool_size: u32,
+
+    /// The longest one store call may take, including the wait for a
+    /// pooled connection; also the connect timeout at startup. A call cut
+    /// off answers 503 before the upstream is called, or — while saving a
+    /// result — leaves the key in flight until its lease ends.
+    #[arg(long, env = "IDEM_STORE_TIMEOUT", value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    pub store_timeout: Duration,
+
+    /// DANGEROUS: when the store cannot be reached as a request arrives,
+    /// forward it to the upstream WITHOUT idempotency protection (marked
+    /// `Idempotency-Status: unprotected`) instead of answering 503. A
+    /// retried request can then run twice (double charge). Off by default
+    /// (fail closed). The variable takes true/false, yes/no, on/off, 1/0.
+    #[arg(
+        long,
+        env = "IDEM_FAIL_OPEN",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub fail_open: bool,
+
     /// Request headers that identify the caller: a key is scoped by the
     /// SHA-256 over these headers' names and values (every field, in the
     /// order given), so two callers that send the same key never share a
@@ -129,8 +164,9 @@ impl GatewayArgs {
     ///
     /// # Errors
     /// [`ConfigError`] when the lease is 0, the TTL is shorter than the
-    /// lease, the upstream timeout or the body limit is 0, no method is
-    /// given, the store URL names an unsupported scheme, or a
+    /// lease, the upstream timeout, the body limit, the store pool size or
+    /// the store timeout is 0, no method is given, the store URL names an
+    /// unsupported scheme or a bad `idem_*` option, or a
     /// `--scope-header` name is not a usable header name
     /// ([`ConfigError::ScopeHeader`]).
     pub fn into_config(self) -> Result<GatewayConfig, ConfigError> {
@@ -154,6 +190,9 @@ impl GatewayArgs {
         config.retention_limit = self.retention_limit;
         config.upstream_timeout = self.upstream_timeout;
         config.wait = self.wait;
+        config.store_pool_size = self.store_pool_size;
+        config.store_timeout = self.store_timeout;
+        config.fail_open = self.fail_open;
         config.validate()?;
         Ok(config)
     }
@@ -162,7 +201,7 @@ impl GatewayArgs {
 /// The gateway's validated settings. Build one with [`GatewayArgs::into_config`]
 /// or [`GatewayConfig::new`] (defaults as the flags') and adjust its fields;
 /// [`crate::Gateway::bind`] validates it again.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct GatewayConfig {
     /// Listening address (default `127.0.0.1:8000`; port 0 picks a free port,
@@ -194,6 +233,15 @@ pub struct GatewayConfig {
     /// sets `ScopeBy::Headers`; [`GatewayConfig::validate`] refuses an empty
     /// header list and names [`parse_scope_header`] refuses.
     pub scope: ScopeBy,
+    /// Most pooled connections to a PostgreSQL or MySQL store (default 16).
+    pub store_pool_size: u32,
+    /// The longest one store call may take (default 5 s), see
+    /// [`crate::StoreOptions::timeout`].
+    pub store_timeout: Duration,
+    /// Forward requests unprotected when the store cannot be reached at
+    /// `begin` (default false: answer 503). See the crate docs before
+    /// turning it on.
+    pub fail_open: bool,
     /// How often expired records are purged (default 60 s). Not a flag.
     pub purge_interval: Duration,
     /// How long a graceful shutdown waits, in all, for in-flight requests
@@ -218,6 +266,9 @@ impl GatewayConfig {
             upstream_timeout: Duration::from_secs(30),
             wait: Duration::ZERO,
             scope: ScopeBy::Headers(vec![AUTHORIZATION]),
+            store_pool_size: 16,
+            store_timeout: Duration::from_secs(5),
+            fail_open: false,
             purge_interval: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(30),
         }
@@ -244,6 +295,12 @@ impl GatewayConfig {
         if self.max_body == 0 {
             return Err(ConfigError::Zero("--max-body"));
         }
+        if self.store_pool_size == 0 {
+            return Err(ConfigError::Zero("--store-pool-size"));
+        }
+        if self.store_timeout.is_zero() {
+            return Err(ConfigError::Zero("--store-timeout"));
+        }
         if self.purge_interval.is_zero() {
             return Err(ConfigError::Zero("purge interval"));
         }
@@ -267,6 +324,54 @@ impl GatewayConfig {
             }
         }
         Ok(())
+    }
+}
+
+// Not derived: the store URL may hold a password, shown as `***`.
+impl std::fmt::Debug for GatewayArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatewayArgs")
+            .field("listen", &self.listen)
+            .field("upstream", &self.upstream)
+            .field("store", &crate::store::redact(&self.store))
+            .field("ttl", &self.ttl)
+            .field("lease", &self.lease)
+            .field("methods", &self.methods)
+            .field("require_key", &self.require_key)
+            .field("max_body", &self.max_body)
+            .field("retention_limit", &self.retention_limit)
+            .field("upstream_timeout", &self.upstream_timeout)
+            .field("wait", &self.wait)
+            .field("store_pool_size", &self.store_pool_size)
+            .field("store_timeout", &self.store_timeout)
+            .field("fail_open", &self.fail_open)
+            .field("scope_header", &self.scope_header)
+            .finish()
+    }
+}
+
+// Not derived: the store URL may hold a password, shown as `***`.
+impl std::fmt::Debug for GatewayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatewayConfig")
+            .field("listen", &self.listen)
+            .field("upstream", &self.upstream)
+            .field("store", &crate::store::redact(&self.store))
+            .field("ttl", &self.ttl)
+            .field("lease", &self.lease)
+            .field("methods", &self.methods)
+            .field("require_key", &self.require_key)
+            .field("max_body", &self.max_body)
+            .field("retention_limit", &self.retention_limit)
+            .field("upstream_timeout", &self.upstream_timeout)
+            .field("wait", &self.wait)
+            .field("scope", &self.scope)
+            .field("store_pool_size", &self.store_pool_size)
+            .field("store_timeout", &self.store_timeout)
+            .field("fail_open", &self.fail_open)
+            .field("purge_interval", &self.purge_interval)
+            .field("shutdown_grace", &self.shutdown_grace)
+            .finish()
     }
 }
 
@@ -511,6 +616,9 @@ mod tests {
         assert_eq!(c.upstream_timeout, Duration::from_secs(30));
         assert_eq!(c.wait, Duration::ZERO);
         assert_eq!(scope_names(&c), vec!["authorization"]);
+        assert_eq!(c.store_pool_size, 16);
+        assert_eq!(c.store_timeout, Duration::from_secs(5));
+        assert!(!c.fail_open);
     }
 
     fn scope_names(c: &GatewayConfig) -> Vec<String> {
@@ -611,6 +719,11 @@ mod tests {
             "5s",
             "--wait",
             "2s",
+            "--store-pool-size",
+            "4",
+            "--store-timeout",
+            "750ms",
+            "--fail-open",
         ])
         .unwrap()
         .g
@@ -623,6 +736,9 @@ mod tests {
         assert_eq!(c.retention_limit, 65_536);
         assert_eq!(c.wait, Duration::from_secs(2));
         assert_eq!(c.upstream.path(), "/api");
+        assert_eq!(c.store_pool_size, 4);
+        assert_eq!(c.store_timeout, Duration::from_millis(750));
+        assert!(c.fail_open);
     }
 
     #[test]
@@ -664,12 +780,57 @@ mod tests {
             Err(ConfigError::Zero(_))
         ));
         assert!(matches!(g(&["--max-body", "0"]), Err(ConfigError::Zero(_))));
-        let e = parse(&["--upstream", "http://x:1", "--store", "postgres://db/x"])
-            .unwrap()
-            .g
-            .into_config()
-            .unwrap_err();
-        assert!(e.to_string().contains("sqlite://"), "{e}");
+        assert!(matches!(
+            g(&["--store-pool-size", "0"]),
+            Err(ConfigError::Zero("--store-pool-size"))
+        ));
+        assert!(matches!(
+            g(&["--store-timeout", "0"]),
+            Err(ConfigError::Zero("--store-timeout"))
+        ));
+        let store = |url: &str| {
+            parse(&["--upstream", "http://x:1", "--store", url])
+                .unwrap()
+                .g
+                .into_config()
+        };
+        let e = store("mongodb://db/x").unwrap_err();
+        assert!(matches!(e, ConfigError::Store(_)), "{e}");
+        let msg = format!("{e}: {}", std::error::Error::source(&e).unwrap());
+        assert!(
+            msg.contains("--store") && msg.contains("sqlite://"),
+            "{msg}"
+        );
+        assert!(matches!(
+            store("postgres://db/x?idem_table=no-dashes"),
+            Err(ConfigError::Store(_))
+        ));
+        for ok in [
+            "postgres://u@db:5432/x?idem_table=t&idem_schema=s",
+            "mariadb://root@db/test",
+            "redis://127.0.0.1:6379/?idem_prefix=app",
+            "redis+cluster://a:1,b:2",
+        ] {
+            assert_eq!(store(ok).unwrap().store, ok);
+        }
+    }
+
+    #[test]
+    fn debug_hides_the_store_password() {
+        let cli = parse(&[
+            "--upstream",
+            "http://x:1",
+            "--store",
+            "postgres://idem:s3cret@db/app",
+        ])
+        .unwrap();
+        assert!(!format!("{:?}", cli.g).contains("s3cret"));
+        let c = cli.g.into_config().unwrap();
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("s3cret") && shown.contains("idem:***@db"),
+            "{shown}"
+        );
     }
 
     #[test]

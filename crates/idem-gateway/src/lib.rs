@@ -11,7 +11,7 @@
 //! ```text
 //! client ──► [ /_idem/* endpoints | idem_http::IdempotencyLayer ──► proxy ] ──► upstream
 //!                                        │
-//!                                      store (memory:// | sqlite://)
+//!                                      store (memory:// | sqlite:// | postgres:// | mysql:// | redis://)
 //! ```
 //!
 //! ## Use
@@ -36,7 +36,10 @@
 //! |---|---|---|---|
 //! | `--listen ADDR` | `IDEM_LISTEN` | `127.0.0.1:8000` | `IP:PORT` to listen on |
 //! | `--upstream URL` | `IDEM_UPSTREAM` | required | `http://host:port[/prefix]` |
-//! | `--store URL` | `IDEM_STORE` | `sqlite://idem.db` | `memory://`, `sqlite://rel.db`, `sqlite:///abs.db` |
+//! | `--store URL` | `IDEM_STORE` | `sqlite://idem.db` | see [Stores](#stores) |
+//! | `--store-pool-size N` | `IDEM_STORE_POOL_SIZE` | `16` | pooled connections to PostgreSQL / MySQL, per instance; > 0 |
+//! | `--store-timeout DURATION` | `IDEM_STORE_TIMEOUT` | `5s` | longest store call (pool wait included), and the connect timeout at startup; > 0 |
+//! | `--fail-open` | `IDEM_FAIL_OPEN` | off | **dangerous**: forward unprotected when the store is down at `begin` (see [Store outages](#store-outages)) |
 //! | `--ttl` | `IDEM_TTL` | `24h` | replay window |
 //! | `--lease` | `IDEM_LEASE` | `30s` | claim lease, renewed while the call runs; > 0 and ≤ ttl |
 //! | `--methods` | `IDEM_METHODS` | `POST,PATCH` | guarded methods |
@@ -46,6 +49,51 @@
 //! | `--upstream-timeout` | `IDEM_UPSTREAM_TIMEOUT` | `30s` | time allowed for the upstream's response headers |
 //! | `--wait` | `IDEM_WAIT` | `0` | how long a duplicate waits for the original (0: 409 at once) |
 //! | `--scope-header NAME` | `IDEM_SCOPE_HEADER` | `authorization` | headers whose values scope a key (SHA-256 over them); repeatable, comma-separated |
+//!
+//! ## Stores
+//!
+//! | URL | store | share between |
+//! |---|---|---|
+//! | `memory://` | in-process map | one process |
+//! | `sqlite://rel.db`, `sqlite:///abs.db` | SQLite file (WAL, `synchronous=FULL`) | processes on one machine |
+//! | `postgres://user:pw@host:5432/db` (`postgresql://`) | PostgreSQL 10+ | any number of instances |
+//! | `mysql://user:pw@host:3306/db` (`mariadb://`) | MySQL 8.0+ / MariaDB 10.5+ (InnoDB) | any number of instances |
+//! | `redis://host:6379/[db]`, `rediss://…` (TLS), `redis+unix:///path.sock` | Redis 7+ | any number of instances |
+//! | `redis+cluster://host:port,host:port` (`rediss+cluster://`) | Redis Cluster | any number of instances |
+//!
+//! Gateway options ride in the URL's query and are removed before it
+//! reaches the driver: `idem_table`, `idem_schema`, `idem_migrate`
+//! (PostgreSQL, MySQL), `idem_prefix` (Redis), e.g.
+//! `postgres://idem@db/app?idem_schema=idem&sslmode=require`. See
+//! [`open_store_with`] and `docs/STORES.md` (which store to choose, what it
+//! guarantees, round trips, how wait mode works across instances). Redis
+//! replicates asynchronously: a failover or a restart without persistence
+//! can lose acknowledged records, and a key can then run twice. Where a
+//! second execution costs money, use PostgreSQL. Passwords in store URLs
+//! are printed as `***`. `GET /_idem/health` reports the kind
+//! (`memory`, `sqlite`, `postgres`, `mysql`, `redis`, `redis-cluster`).
+//!
+//! ## Store outages
+//!
+//! - **At startup** the store must answer within `--store-timeout`, or the
+//!   gateway exits (status 1, message naming the store): fail fast, and
+//!   let a supervisor restart it. A malformed URL is a configuration error
+//!   (status 2).
+//! - **Later**, every store call is bounded by `--store-timeout`. A guarded
+//!   request whose `begin` fails or times out gets `503`
+//!   `store-unavailable` and the upstream is not called (fail closed);
+//!   service resumes by itself when the store is back.
+//! - A failure or timeout while **saving** a result never frees the key:
+//!   the first caller still gets the upstream's answer, duplicates get 409
+//!   until the lease ends (CASES A1).
+//! - **`--fail-open`** (off by default) — **can double-charge**: a guarded
+//!   request whose `begin` failed is forwarded to the upstream without
+//!   protection, answered with `Idempotency-Status: unprotected`
+//!   ([`IDEMPOTENCY_STATUS`]) and logged at WARN. Nothing is recorded, so
+//!   a retry during the outage runs again. Never applied when the upstream
+//!   was already called (a failed save, an upstream's own 503), nor to a
+//!   key this instance saw claimed, in flight or completed within the last
+//!   `--lease` + `--wait`.
 //!
 //! ## Whose key it is
 //!
@@ -96,7 +144,8 @@
 //! | body broke past `--retention-limit` (already streaming) | the upstream's status, body cut short | completed without its body: duplicates get 410 |
 //! | upstream answered 5xx, 408, 409, 425, 429 | as answered | released |
 //! | upstream answered anything else | as answered | stored and replayed |
-//! | store unreachable when the request arrives | 503 (from the layer) | upstream not called |
+//! | store unreachable when the request arrives | 503 `store-unavailable` (from the layer) | upstream not called (with `--fail-open`: forwarded unprotected) |
+//! | store fails or times out while saving the result | the upstream's answer | held until its lease ends |
 //!
 //! The connect timeout is half the upstream timeout, at most 5 s, so an
 //! unreachable host is reported as such rather than as a timeout.
@@ -120,6 +169,8 @@
 //! purged every [`GatewayConfig::purge_interval`] (60 s).
 
 mod config;
+mod fail_open;
+mod guard;
 mod proxy;
 mod server;
 mod store;
@@ -128,6 +179,7 @@ pub use config::{
     parse_duration, parse_method, parse_scope_header, parse_size, parse_upstream, ConfigError,
     GatewayArgs, GatewayConfig,
 };
+pub use fail_open::IDEMPOTENCY_STATUS;
 pub use proxy::{append_forwarded_for, strip_hop_by_hop, HOP_BY_HOP};
 pub use server::{shutdown_signal, Gateway, GatewayError, RESERVED_PREFIX};
-pub use store::open_store;
+pub use store::{open_store, open_store_with, StoreOptions};

@@ -17,6 +17,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use idem_http::{problem, BoxBody, Disposition};
 
+use crate::fail_open::ProxyCalled;
+
 /// Hop-by-hop header fields (RFC 9110 §7.6.1), removed in both directions.
 /// `Proxy-Connection` and `Keep-Alive` are not in the RFC's list of fields
 /// but are hop-by-hop in practice.
@@ -161,6 +163,9 @@ impl tower_service::Service<Request<BoxBody>> for Proxy {
     }
 
     fn call(&mut self, req: Request<BoxBody>) -> Self::Future {
+        if let Some(called) = req.extensions().get::<ProxyCalled>() {
+            called.mark();
+        }
         let this = self.clone();
         Box::pin(async move { Ok(this.forward(req).await) })
     }
@@ -172,7 +177,9 @@ fn with_disposition(mut resp: Response<BoxBody>, d: Disposition) -> Response<Box
 }
 
 impl Proxy {
-    async fn forward(self, req: Request<BoxBody>) -> Response<BoxBody> {
+    /// Forwards one request and answers with the upstream's response, or a
+    /// problem (502/504) carrying the key's [`Disposition`].
+    pub(crate) async fn forward(self, req: Request<BoxBody>) -> Response<BoxBody> {
         let (mut parts, body) = req.into_parts();
         if parts.method == Method::CONNECT {
             return with_disposition(

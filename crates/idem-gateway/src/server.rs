@@ -18,13 +18,15 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use idem_core::{DynStore, IdempotencyKey, Scope, StoreError};
-use idem_http::{problem, BoxBody, IdempotencyLayer, ScopeBy};
+use idem_http::{problem, BoxBody, BoxError, IdempotencyLayer, ScopeBy};
 use tokio::net::TcpListener;
 use tower::{Layer, ServiceExt};
 
 use crate::config::{ConfigError, GatewayConfig};
+use crate::fail_open::FailOpen;
+use crate::guard::{GuardedStore, Recent};
 use crate::proxy::{self, error_chain, Proxy, Upstream};
-use crate::store::{open_store, StoreKind};
+use crate::store::{open_store_with, redact, StoreKind, StoreOptions};
 
 /// Paths under this prefix are answered by the gateway itself and never proxied.
 pub const RESERVED_PREFIX: &str = "/_idem/";
@@ -39,9 +41,18 @@ pub enum GatewayError {
     /// The configuration is not usable.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The store could not be opened.
-    #[error("opening the store failed")]
-    Store(#[source] StoreError),
+    /// The store could not be opened: unreachable within
+    /// `--store-timeout`, refused, or its tables could not be created.
+    #[error("cannot open the {kind} store {url}")]
+    Store {
+        /// The kind of store (`postgres`, `redis`, …).
+        kind: &'static str,
+        /// The store URL, password replaced by `***`.
+        url: String,
+        /// The store's error.
+        #[source]
+        source: StoreError,
+    },
     /// The listening socket could not be bound.
     #[error("cannot listen on {addr}")]
     Bind {
@@ -70,6 +81,7 @@ pub struct Gateway {
     config: GatewayConfig,
     store: DynStore,
     kind: &'static str,
+    fail_open: Option<Arc<FailOpen>>,
     upstream: Arc<Upstream>,
     listener: TcpListener,
     local_addr: SocketAddr,
@@ -81,31 +93,48 @@ impl std::fmt::Debug for Gateway {
         f.debug_struct("Gateway")
             .field("local_addr", &self.local_addr)
             .field("upstream", &self.config.upstream)
-            .field("store", &self.config.store)
+            .field("store", &redact(&self.config.store))
             .field("kind", &self.kind)
+            .field("fail_open", &self.config.fail_open)
             .finish_non_exhaustive()
     }
 }
 
 impl Gateway {
-    /// Validates `config`, opens its store ([`open_store`]) and binds the
-    /// listening socket. Nothing is served until [`Gateway::serve`].
+    /// Validates `config`, opens its store ([`crate::open_store_with`],
+    /// with `store_pool_size` and `store_timeout`) and binds the listening
+    /// socket. Nothing is served until [`Gateway::serve`].
+    ///
+    /// A store that cannot be reached now is an error (fail fast: a
+    /// supervisor restarts the gateway, and a misconfigured URL is found at
+    /// once). A store that goes away *later* does not stop the gateway: it
+    /// answers 503 (or forwards unprotected with `fail_open`) until the
+    /// store is back, and recovers without a restart.
     ///
     /// # Errors
     /// [`GatewayError::Config`] for an invalid configuration,
-    /// [`GatewayError::Store`] when the store cannot be opened,
-    /// [`GatewayError::Bind`] when the address cannot be bound.
+    /// [`GatewayError::Store`] when the store cannot be opened within
+    /// `store_timeout`, [`GatewayError::Bind`] when the address cannot be
+    /// bound.
     pub async fn bind(config: GatewayConfig) -> Result<Gateway, GatewayError> {
         config.validate()?;
-        let store = open_store(&config.store)
+        let options = StoreOptions::default()
+            .with_pool_size(config.store_pool_size)
+            .with_timeout(config.store_timeout);
+        let store = open_store_with(&config.store, &options)
             .await
-            .map_err(GatewayError::Store)?;
+            .map_err(|source| GatewayError::Store {
+                kind: StoreKind::of_url(&config.store).map_or("custom", StoreKind::name),
+                url: redact(&config.store),
+                source,
+            })?;
         Self::bind_with_store(config, store).await
     }
 
     /// Like [`Gateway::bind`] with a store the caller opened (any
     /// [`idem_core::Store`]); `config.store` is then only reported by
-    /// `/_idem/health` and the startup log.
+    /// `/_idem/health` and the startup log. Every call to the store is
+    /// still bounded by `config.store_timeout`.
     ///
     /// # Errors
     /// As [`Gateway::bind`], without the store errors.
@@ -120,6 +149,19 @@ impl Gateway {
         }
         checked.validate()?;
         let kind = StoreKind::of_url(&config.store).map_or("custom", StoreKind::name);
+        let fail_open = config.fail_open.then(|| {
+            Arc::new(FailOpen {
+                methods: config.methods.clone(),
+                scope: config.scope.clone(),
+                max_body: config.max_body,
+                recent: Arc::new(Recent::new(config.lease.saturating_add(config.wait))),
+            })
+        });
+        let store: DynStore = Arc::new(GuardedStore::new(
+            store,
+            config.store_timeout,
+            fail_open.as_ref().map(|f| f.recent.clone()),
+        ));
         let upstream = Upstream::new(&config.upstream)
             .map(Arc::new)
             .map_err(|e| GatewayError::Config(ConfigError::Upstream(e)))?;
@@ -138,6 +180,7 @@ impl Gateway {
             config,
             store,
             kind,
+            fail_open,
             upstream,
             listener,
             local_addr,
@@ -150,7 +193,8 @@ impl Gateway {
         self.local_addr
     }
 
-    /// The store the gateway uses.
+    /// The store the gateway uses (every call bounded by
+    /// [`GatewayConfig::store_timeout`]).
     pub fn store(&self) -> &DynStore {
         &self.store
     }
@@ -178,6 +222,7 @@ impl Gateway {
             config,
             store,
             kind,
+            fail_open,
             upstream,
             listener,
             local_addr,
@@ -203,7 +248,11 @@ impl Gateway {
         tracing::info!(
             listen = %local_addr,
             upstream = %config.upstream,
-            store = %config.store,
+            store = %redact(&config.store),
+            store_kind = kind,
+            store_pool_size = config.store_pool_size,
+            store_timeout = %humantime::format_duration(config.store_timeout),
+            fail_open = config.fail_open,
             ttl = %humantime::format_duration(config.ttl),
             lease = %humantime::format_duration(config.lease),
             methods = %methods.join(","),
@@ -215,6 +264,20 @@ impl Gateway {
             scope = %scope,
             "idem gateway listening"
         );
+        if config.store_timeout.saturating_mul(3) > config.lease {
+            tracing::warn!(
+                store_timeout = %humantime::format_duration(config.store_timeout),
+                lease = %humantime::format_duration(config.lease),
+                "--store-timeout is more than a third of --lease: a slow lease renewal can let \
+                 the lease run out while the upstream call runs"
+            );
+        }
+        if config.fail_open {
+            tracing::warn!(
+                "--fail-open is ON: while the store is unreachable, requests go to the upstream \
+                 WITHOUT idempotency protection and a retried request can run twice"
+            );
+        }
 
         let purge = tokio::spawn(purge_loop(store.clone(), config.purge_interval));
         let graceful = GracefulShutdown::new();
@@ -246,9 +309,11 @@ impl Gateway {
                 peer,
             };
             let svc = TowerToHyperService::new(Root {
-                inner: layer.layer(proxy),
+                inner: LayeredProxy::new(layer.layer(proxy.clone())),
+                proxy,
                 store: store.clone(),
                 kind,
+                fail_open: fail_open.clone(),
             });
             let watcher = graceful.watcher();
             let builder = builder.clone();
@@ -342,23 +407,23 @@ async fn purge_loop(store: DynStore, every: Duration) {
 
 /// Routes `/_idem/*` to the gateway's own endpoints and everything else to
 /// the idempotency layer around the proxy.
-#[derive(Clone, Debug)]
-struct Root<S> {
-    inner: S,
+#[derive(Clone)]
+struct Root {
+    inner: LayeredProxy,
+    proxy: Proxy,
     store: DynStore,
     kind: &'static str,
+    fail_open: Option<Arc<FailOpen>>,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-impl<S> tower_service::Service<Request<Incoming>> for Root<S>
-where
-    S: tower_service::Service<Request<Incoming>, Response = Response<BoxBody>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-{
+/// The idempotency layer around the proxy, type-erased (naming its future
+/// in an `async` block trips a higher-ranked lifetime limitation of rustc).
+pub(crate) type LayeredProxy =
+    tower::util::BoxCloneService<Request<BoxBody>, Response<BoxBody>, Infallible>;
+
+impl tower_service::Service<Request<Incoming>> for Root {
     type Response = Response<BoxBody>;
     type Error = Infallible;
     type Future = BoxFuture<Result<Response<BoxBody>, Infallible>>;
@@ -375,7 +440,16 @@ where
             return Box::pin(async move { Ok(internal(req, store, kind).await) });
         }
         let inner = self.inner.clone();
-        Box::pin(inner.oneshot(req))
+        if let Some(fo) = &self.fail_open {
+            if let Some(key) = fo.key_of(&req) {
+                let fo = fo.clone();
+                let proxy = self.proxy.clone();
+                return Box::pin(async move { Ok(fo.respond(inner, proxy, req, key).await) });
+            }
+        }
+        Box::pin(
+            inner.oneshot(req.map(|b| b.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync())),
+        )
     }
 }
 

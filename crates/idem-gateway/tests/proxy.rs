@@ -511,9 +511,24 @@ async fn bind_errors_are_reported() {
     assert!(matches!(e, idem_gateway::GatewayError::Bind { .. }), "{e}");
 
     let mut c = config("http://127.0.0.1:9");
-    c.store = "redis://localhost".into();
+    c.store = "couchdb://localhost".into();
     let e = idem_gateway::Gateway::bind(c).await.unwrap_err();
     assert!(e.to_string().contains("sqlite://"), "{e}");
+
+    // A well-formed URL whose server is not there: the gateway does not
+    // start (fail fast), and says which store, without its password.
+    let mut c = config("http://127.0.0.1:9");
+    let port = free_port();
+    c.store = format!("redis://:hunter2@127.0.0.1:{port}/");
+    c.store_timeout = Duration::from_secs(2);
+    let e = idem_gateway::Gateway::bind(c).await.unwrap_err();
+    let msg = error_chain(&e);
+    assert!(
+        matches!(e, idem_gateway::GatewayError::Store { kind: "redis", .. }),
+        "{msg}"
+    );
+    assert!(msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
+    assert!(!msg.contains("hunter2"), "{msg}");
 
     let mut c = config("http://127.0.0.1:9");
     c.lease = Duration::ZERO;
@@ -532,17 +547,37 @@ async fn open_store_schemes() {
     s.purge_expired().await.unwrap();
     assert!(abs.exists());
     for bad in [
-        "postgres://h/db",
-        "mysql://h/db",
-        "redis://h",
         "bogus",
         "ftp://x",
+        "postgres://h/db?idem_table=a-b",
+        "redis://h?idem_table=t",
     ] {
         match idem_gateway::open_store(bad).await {
             Err(idem_core::StoreError::Config(msg)) => {
-                assert!(msg.contains("memory://") || msg.contains("scheme"), "{msg}")
+                assert!(msg.contains("memory://") || msg.contains("idem_"), "{msg}")
             }
             other => panic!("{bad}: {other:?}"),
         }
+    }
+    // Recognised schemes are tried (and fail here: nothing listens).
+    let port = free_port();
+    let opts = idem_gateway::StoreOptions::default().with_timeout(Duration::from_secs(2));
+    for url in [
+        format!("postgres://postgres@127.0.0.1:{port}/test"),
+        format!("mariadb://root@127.0.0.1:{port}/test"),
+        format!("redis://127.0.0.1:{port}/"),
+    ] {
+        let started = std::time::Instant::now();
+        match idem_gateway::open_store_with(&url, &opts).await {
+            Err(
+                idem_core::StoreError::Unavailable { .. } | idem_core::StoreError::Timeout { .. },
+            ) => {}
+            other => panic!("{url}: {other:?}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(8),
+            "{url} took {:?}",
+            started.elapsed()
+        );
     }
 }

@@ -657,3 +657,15 @@ pub async fn eventually(bound: Duration, mut cond: impl FnMut() -> bool) -> bool
     }
     cond()
 }
+
+/// An error and its sources, `outer: inner: innermost`.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

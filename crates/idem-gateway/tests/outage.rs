@@ -1,0 +1,430 @@
+//! The store failing under a running gateway: `--store-timeout` bounds
+//! every call, a result that cannot be saved keeps its key in flight
+//! (CASES A1), fail-closed is the default, and `--fail-open` forwards
+//! unprotected only when the store failed before the upstream was called.
+
+mod common;
+
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use axum::routing;
+use axum::Router;
+use common::*;
+use idem_core::{
+    Begin, BeginRequest, IdempotencyKey, Lease, MemoryStore, Phase, Record, RecordState, Scope,
+    Store, StoreError, StoredResponse,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// What [`SaveFaults::complete`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Save {
+    Ok = 0,
+    /// Never answers (the gateway's `--store-timeout` cuts it off).
+    Hang = 1,
+    /// Fails at once as if the connection dropped.
+    Fail = 2,
+}
+
+/// A memory store whose `complete` hangs or fails on demand, counting
+/// `complete` and `release` calls.
+#[derive(Debug, Clone)]
+struct SaveFaults {
+    inner: MemoryStore,
+    save: Arc<AtomicU8>,
+    completes: Arc<AtomicUsize>,
+    releases: Arc<AtomicUsize>,
+}
+
+impl SaveFaults {
+    fn new(save: Save) -> Self {
+        Self {
+            inner: MemoryStore::new(),
+            save: Arc::new(AtomicU8::new(save as u8)),
+            completes: Arc::new(AtomicUsize::new(0)),
+            releases: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Dropped;
+impl std::fmt::Display for Dropped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("connection reset (injected)")
+    }
+}
+impl std::error::Error for Dropped {}
+
+#[async_trait]
+impl Store for SaveFaults {
+    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
+        self.inner.begin(req).await
+    }
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.completes.fetch_add(1, Ordering::SeqCst);
+        match self.save.load(Ordering::SeqCst) {
+            1 => std::future::pending().await,
+            2 => Err(StoreError::unavailable(Phase::Complete, Dropped)),
+            _ => self.inner.complete(lease, response, ttl).await,
+        }
+    }
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        self.inner.release(lease).await
+    }
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        self.inner.extend(lease, lease_for).await
+    }
+    async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(scope, key).await
+    }
+    async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        self.inner.delete(scope, key).await
+    }
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        self.inner.purge_expired().await
+    }
+}
+
+/// A store whose every call hangs.
+#[derive(Debug)]
+struct Hung;
+
+#[async_trait]
+impl Store for Hung {
+    async fn begin(&self, _: &BeginRequest) -> Result<Begin, StoreError> {
+        std::future::pending().await
+    }
+    async fn complete(&self, _: &Lease, _: &StoredResponse, _: Duration) -> Result<(), StoreError> {
+        std::future::pending().await
+    }
+    async fn release(&self, _: &Lease) -> Result<(), StoreError> {
+        std::future::pending().await
+    }
+    async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, StoreError> {
+        std::future::pending().await
+    }
+    async fn get(&self, _: &Scope, _: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        std::future::pending().await
+    }
+    async fn delete(&self, _: &Scope, _: &IdempotencyKey) -> Result<bool, StoreError> {
+        std::future::pending().await
+    }
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        std::future::pending().await
+    }
+}
+
+fn in_flight(r: &Got) -> bool {
+    r.status == 409
+        && r.problem_type() == "urn:idem:problem:in-flight"
+        && r.header("retry-after").is_some()
+}
+
+#[tokio::test]
+async fn a1_a_store_timeout_while_saving_never_frees_the_key() {
+    let up = upstream().await;
+    let store = SaveFaults::new(Save::Hang);
+    let mut cfg = config(&up.url());
+    cfg.store_timeout = Duration::from_millis(300);
+    cfg.lease = Duration::from_secs(2);
+    cfg.ttl = Duration::from_secs(60);
+    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
+    let c = client();
+    let k = key("a1-save-timeout");
+
+    let started = Instant::now();
+    let first = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    // The first caller still gets its answer: the upstream acted.
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the hung save was not cut off by --store-timeout: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(store.completes.load(Ordering::SeqCst), 1);
+    assert_eq!(up.hits(), 1);
+
+    // Inside the lease: every duplicate is told to wait, nothing runs again,
+    // and the key was never released.
+    for _ in 0..3 {
+        let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+        assert!(in_flight(&r), "{} {}", r.status, r.text());
+    }
+    assert_eq!(up.hits(), 1, "the key was freed after a failed save");
+    assert_eq!(store.releases.load(Ordering::SeqCst), 0);
+    let rec = store
+        .inner
+        .get(&Scope::anonymous(), &IdempotencyKey::new(&k).unwrap())
+        .await
+        .unwrap()
+        .expect("record kept");
+    assert!(
+        matches!(rec.state, RecordState::InProgress { .. }),
+        "{rec:?}"
+    );
+
+    // The key frees itself only when its lease ends; then a retry runs
+    // once more (the outcome of the first run was never recorded).
+    store.save.store(Save::Ok as u8, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    let again = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert_eq!(again.status, 201, "{}", again.text());
+    assert_eq!(up.hits(), 2);
+    let replay = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert!(replay.replayed());
+    assert_eq!(up.hits(), 2);
+}
+
+#[tokio::test]
+async fn a_hung_store_answers_503_within_the_store_timeout() {
+    let up = upstream().await;
+    let mut cfg = config(&up.url());
+    cfg.store_timeout = Duration::from_millis(400);
+    let gw = gateway_with(cfg, Arc::new(Hung)).await;
+    let c = client();
+    let started = Instant::now();
+    let r = post(&c, &gw.url("/orders"), Some(&key("hung")), "{}").await;
+    let took = started.elapsed();
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
+    assert!(
+        took >= Duration::from_millis(350) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!(up.hits(), 0);
+    // Unguarded traffic does not wait for the store.
+    assert_eq!(post(&c, &gw.url("/orders"), None, "{}").await.status, 201);
+}
+
+#[tokio::test]
+async fn fail_closed_is_the_default_and_service_resumes_when_the_store_returns() {
+    let up = upstream().await;
+    let store = SwitchStore::new();
+    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
+    let c = client();
+    store.set(Mode::Unavailable);
+    for i in 0..5 {
+        let r = post(
+            &c,
+            &gw.url("/orders"),
+            Some(&key(&format!("down{i}"))),
+            "{}",
+        )
+        .await;
+        assert_eq!(r.status, 503, "{}", r.text());
+        assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
+        assert_eq!(
+            r.header("content-type").as_deref(),
+            Some("application/problem+json")
+        );
+        assert_eq!(r.header("idempotency-status"), None);
+    }
+    assert_eq!(up.hits(), 0, "fail-closed reached the upstream");
+    let h = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    assert_eq!(h.status, 503);
+    store.set(Mode::Healthy);
+    let k = key("back");
+    assert_eq!(
+        post(&c, &gw.url("/orders"), Some(&k), "{}").await.status,
+        201
+    );
+    assert!(post(&c, &gw.url("/orders"), Some(&k), "{}")
+        .await
+        .replayed());
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn fail_open_forwards_unprotected_when_begin_fails() {
+    let up = upstream().await;
+    let store = SwitchStore::new();
+    let mut cfg = config(&up.url());
+    cfg.fail_open = true;
+    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
+    let c = client();
+    store.set(Mode::Unavailable);
+
+    let k = key("open");
+    let body = r#"{"amount": 10}"#;
+    let r = read(
+        c.post(gw.url("/echo?x=1"))
+            .header("idempotency-key", &k)
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer a")
+            .body(body)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("idempotency-status").as_deref(),
+        Some("unprotected")
+    );
+    assert!(!r.replayed());
+    assert_eq!(up.hits(), 1);
+    // The upstream got the request as the layer would have sent it.
+    let seen = up.last_seen();
+    assert_eq!(seen.uri, "/echo?x=1");
+    assert_eq!(seen.body, body.as_bytes());
+    assert_eq!(seen.headers["idempotency-key"], k.as_str());
+    assert_eq!(seen.headers["authorization"], "Bearer a");
+
+    // This is the danger fail-open accepts: nothing was recorded, so a
+    // retry while the store is down runs again.
+    let r = post(&c, &gw.url("/orders"), Some(&key("open2")), "{}").await;
+    assert_eq!(r.status, 201);
+    assert_eq!(
+        r.header("idempotency-status").as_deref(),
+        Some("unprotected")
+    );
+    assert_eq!(up.hits(), 2);
+
+    // Unguarded requests are not marked; the store's own health is still 503.
+    let r = post(&c, &gw.url("/orders"), None, "{}").await;
+    assert_eq!((r.status, r.header("idempotency-status")), (201, None));
+    let h = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    assert_eq!(h.status, 503);
+
+    // Back to normal when the store is.
+    store.set(Mode::Healthy);
+    let k = key("open-healthy");
+    let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert_eq!((r.status, r.header("idempotency-status")), (201, None));
+    assert!(post(&c, &gw.url("/orders"), Some(&k), "{}")
+        .await
+        .replayed());
+    assert_eq!(up.hits(), 4);
+}
+
+#[tokio::test]
+async fn fail_open_never_reruns_a_request_whose_result_could_not_be_saved() {
+    let up = upstream().await;
+    let store = SaveFaults::new(Save::Fail);
+    let mut cfg = config(&up.url());
+    cfg.fail_open = true;
+    cfg.lease = Duration::from_secs(5);
+    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
+    let c = client();
+    let k = key("open-save");
+    let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.header("idempotency-status"), None, "the key was claimed");
+    assert_eq!(up.hits(), 1);
+    let dup = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert!(in_flight(&dup), "{} {}", dup.status, dup.text());
+    assert_eq!(up.hits(), 1);
+    assert_eq!(store.releases.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn fail_open_refuses_a_key_this_gateway_saw_moments_ago() {
+    let up = upstream().await;
+    let store = SwitchStore::new();
+    let mut cfg = config(&up.url());
+    cfg.fail_open = true;
+    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
+    let c = client();
+    let k = key("seen");
+    assert_eq!(
+        post(&c, &gw.url("/orders"), Some(&k), "{}").await.status,
+        201
+    );
+    store.set(Mode::Unavailable);
+    // Rerunning it would certainly be a second execution: fail closed.
+    let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
+    assert_eq!(up.hits(), 1);
+    // A key it never saw goes through unprotected.
+    let r = post(&c, &gw.url("/orders"), Some(&key("unseen")), "{}").await;
+    assert_eq!(
+        r.header("idempotency-status").as_deref(),
+        Some("unprotected")
+    );
+    assert_eq!(up.hits(), 2);
+}
+
+#[tokio::test]
+async fn fail_open_passes_an_upstream_503_through_without_a_second_call() {
+    // An upstream that itself answers like an idem gateway whose store is down.
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let app = Router::new().route(
+        "/pay",
+        routing::post(move || {
+            let h = h.clone();
+            async move {
+                h.fetch_add(1, Ordering::SeqCst);
+                (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    [("content-type", "application/problem+json")],
+                    r#"{"type":"urn:idem:problem:store-unavailable","status":503}"#,
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let mut cfg = config(&format!("http://{addr}"));
+    cfg.fail_open = true;
+    let gw = gateway_with(cfg, Arc::new(MemoryStore::new())).await;
+    let r = post(&client(), &gw.url("/pay"), Some(&key("up503")), "{}").await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.header("idempotency-status"), None);
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "fail-open called the upstream twice"
+    );
+    task.abort();
+}
+
+#[tokio::test]
+async fn fail_open_keeps_the_body_limit_and_bad_keys() {
+    let up = upstream().await;
+    let store = SwitchStore::new();
+    let mut cfg = config(&up.url());
+    cfg.fail_open = true;
+    cfg.max_body = 16;
+    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
+    let c = client();
+    store.set(Mode::Unavailable);
+    // Over the limit, by Content-Length and by a chunked body.
+    let r = post(&c, &gw.url("/orders"), Some(&key("big")), &"x".repeat(64)).await;
+    assert_eq!(r.status, 413, "{}", r.text());
+    let mut sock = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: gw\r\nIdempotency-Key: {}\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        key("big-chunked")
+    );
+    let _ = sock.write_all(head.as_bytes()).await;
+    for _ in 0..8 {
+        // The gateway may answer and close before all of it is sent.
+        let _ = sock.write_all(b"a\r\n0123456789\r\n").await;
+    }
+    let _ = sock.write_all(b"0\r\n\r\n").await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    // A blank key is refused before the store is asked.
+    let r = post(&c, &gw.url("/orders"), Some("   "), "{}").await;
+    assert_eq!(r.status, 400);
+    assert_eq!(up.hits(), 0);
+}
