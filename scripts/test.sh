@@ -112,10 +112,14 @@ cargo fmt --all -- --check || die "cargo fmt --check failed (see above); where i
 log "cargo clippy --workspace --all-targets --all-features -- -D warnings"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
 
-log "cargo test --workspace --all-features"
+log "cargo test --workspace --all-features --no-fail-fast"
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
-cargo test --workspace --all-features 2>&1 | tee "$out"
+# --no-fail-fast: every test binary runs, so one run shows every failure.
+set +e
+cargo test --workspace --all-features --no-fail-fast 2>&1 | tee "$out"
+status=${PIPESTATUS[0]}
+set -e
 
 # One closing line for the whole run, summed over every test binary and the
 # doc tests ("test result: ok. 12 passed; 0 failed; 1 ignored; ...").
@@ -127,8 +131,13 @@ totals=$(awk '/^test result:/ {
     }
   } END { printf "%d %d %d", p, f, s }' "$out")
 read -r passed failed skipped <<<"$totals"
-[ "$passed" -gt 0 ] || die "cargo test ran no test"
 
 echo
+if [ "$status" != 0 ]; then
+  echo "scripts/test.sh: cargo test failed (exit $status; see the failures above)"
+  echo "tests: $passed passed, $failed failed, $skipped skipped"
+  exit "$status"
+fi
+[ "$passed" -gt 0 ] || die "cargo test ran no test"
 echo "scripts/test.sh: fmt, clippy and tests passed in $(( $(date +%s) - start )) s"
 echo "tests: $passed passed, $failed failed, $skipped skipped"

@@ -62,7 +62,7 @@ pub(crate) struct DemoArgs {
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:0")]
     service_listen: SocketAddr,
 
-    /// Where the gateway keeps its records (memory://, sqlite://FILE).
+    /// Where the gateway keeps its records: any `idem gateway --store` URL.
     #[arg(long, value_name = "URL", default_value = "sqlite://idem-demo.db")]
     store: String,
 
