@@ -45,6 +45,18 @@ pub struct EngineConfig {
     /// the key frees itself when the lease ends; [`Action::Release`] frees it
     /// at once). [`Action::Store`] is treated as `Hold`.
     pub on_cancel: Action,
+    /// How long the caller waits for a result's save to succeed when the
+    /// first `complete` fails (default 2 s). Until then the save is retried
+    /// with backoff while the lease is renewed, so duplicates get `InFlight`,
+    /// never a second run.
+    pub save_wait: Duration,
+    /// How long a failed save keeps being retried in the background after
+    /// `save_wait`, the lease renewed each time (default 10 min). When the
+    /// store answers `extend` but keeps refusing `complete` (the response is
+    /// too large for it, or a capped store is full), the result is saved
+    /// without its body (`body_omitted`), so duplicates get a clear refusal
+    /// instead of a second run.
+    pub save_retry: Duration,
 }
 
 impl Default for EngineConfig {
@@ -55,6 +67,8 @@ impl Default for EngineConfig {
             wait: Duration::ZERO,
             watchdog: true,
             on_cancel: Action::Hold,
+            save_wait: Duration::from_secs(2),
+            save_retry: Duration::from_secs(600),
         }
     }
 }
@@ -226,11 +240,43 @@ impl<S: Store + Clone> Engine<S> {
         let current = lease; // the watchdog extends in the store; the fence is what counts
         let saved = match action {
             Action::Store(resp) => {
-                match self.store.complete(&current, &resp, self.config.ttl).await {
-                    Ok(()) => Saved::Stored,
-                    Err(StoreError::LeaseLost { .. }) => Saved::LeaseLost,
+                let mut saver = Saver {
+                    store: self.store.clone(),
+                    lease: current.clone(),
+                    response: resp,
+                    ttl: self.config.ttl,
+                    lease_for: self.config.lease,
+                    strikes: 0,
+                    delay: Duration::from_millis(20),
+                };
+                let wait = tokio::time::Instant::now() + self.config.save_wait;
+                match saver.run_until(wait).await {
+                    Ok(saved) => saved,
                     Err(e) => {
-                        tracing::error!(key = %key, fence, error = %e, "saving the result failed; the key is held until its lease ends");
+                        if self.config.save_retry.is_zero() {
+                            tracing::error!(key = %key, fence, error = %e, "saving the result failed; the key is held until its lease ends");
+                            return Ok(Outcome::Executed {
+                                value,
+                                fence,
+                                saved: Saved::Failed(e),
+                            });
+                        }
+                        tracing::error!(key = %key, fence, error = %e, "saving the result failed; still retrying in the background while the lease is kept alive");
+                        let until = tokio::time::Instant::now() + self.config.save_retry;
+                        let key = key.clone();
+                        tokio::spawn(async move {
+                            match saver.run_until(until).await {
+                                Ok(Saved::Stored) => {
+                                    tracing::info!(key = %key, fence, "the result was saved on a later attempt")
+                                }
+                                Ok(_) => {
+                                    tracing::warn!(key = %key, fence, "the lease was lost before the result could be saved")
+                                }
+                                Err(e) => {
+                                    tracing::error!(key = %key, fence, error = %e, "gave up saving the result; the key frees itself when its lease ends")
+                                }
+                            }
+                        });
                         Saved::Failed(e)
                     }
                 }
@@ -344,6 +390,59 @@ pub enum OnceError<E> {
     /// The stored result does not decode as the requested type.
     #[error("stored result does not decode")]
     Decode(#[source] serde_json::Error),
+}
+
+/// Saves a result whose first `complete` may fail: retries with backoff,
+/// renews the lease between attempts, and falls back to saving without the
+/// body when the store is reachable but keeps refusing the full result.
+#[derive(Debug)]
+struct Saver<S> {
+    store: S,
+    lease: Lease,
+    response: StoredResponse,
+    ttl: Duration,
+    lease_for: Duration,
+    /// Failed `complete`s while `extend` succeeded (the store is up; the
+    /// result itself is refused).
+    strikes: u32,
+    delay: Duration,
+}
+
+impl<S: Store> Saver<S> {
+    /// Tries until saved, the lease is lost, or `until` passes (then the last error).
+    async fn run_until(&mut self, until: tokio::time::Instant) -> Result<Saved, StoreError> {
+        loop {
+            let err = match self
+                .store
+                .complete(&self.lease, &self.response, self.ttl)
+                .await
+            {
+                Ok(()) => return Ok(Saved::Stored),
+                Err(StoreError::LeaseLost { .. }) => return Ok(Saved::LeaseLost),
+                Err(e) => e,
+            };
+            match self.store.extend(&self.lease, self.lease_for).await {
+                Ok(l) => {
+                    self.lease = l;
+                    self.strikes += 1;
+                    if self.strikes >= 5 && !self.response.body_omitted {
+                        tracing::error!(key = %self.lease.key, error = %err, body_bytes = self.response.body.len(), "the store keeps refusing this result; saving it without its body");
+                        self.response.body = bytes::Bytes::new();
+                        self.response.body_omitted = true;
+                        continue;
+                    }
+                }
+                Err(StoreError::LeaseLost { .. }) => return Ok(Saved::LeaseLost),
+                Err(_) => {}
+            }
+            let now = tokio::time::Instant::now();
+            if now + self.delay > until {
+                return Err(err);
+            }
+            tokio::time::sleep(self.delay).await;
+            self.delay = (self.delay * 2).min(Duration::from_secs(1));
+        }
+    }
 }
 
 /// Renews the lease every third of its length until aborted or lost.

@@ -25,6 +25,15 @@ pub struct MemoryLimits {
     /// Most bytes kept, counting keys, responses and a fixed overhead per
     /// record (default 512 MiB).
     pub max_bytes: usize,
+    /// When the caps are reached and nothing has expired, evict live
+    /// completed records, soonest to expire first (default `false`).
+    ///
+    /// Off, the store refuses new claims with [`StoreError::Full`] (HTTP 503
+    /// `store-full` at the gateway) until records expire: a retry of a key
+    /// whose result is still within its TTL is always replayed. On, the store
+    /// stays available under any load, but a retry of an evicted key runs
+    /// its operation AGAIN — acceptable for a cache, not for payments.
+    pub evict_live_results: bool,
 }
 
 impl Default for MemoryLimits {
@@ -32,6 +41,7 @@ impl Default for MemoryLimits {
         Self {
             max_entries: 1_000_000,
             max_bytes: 512 * 1024 * 1024,
+            evict_live_results: false,
         }
     }
 }
@@ -176,12 +186,15 @@ impl Inner {
             if self.pop_stale_claim(now).is_some() {
                 continue;
             }
-            // 3. Live completed records, soonest to expire first.
-            if let Some((_, k)) = self.by_expiry.pop_first() {
-                self.remove(&RecordKey::clone(&k));
-                continue;
+            // 3. Live completed records, soonest to expire first — only when
+            //    the owner opted in: an evicted result would run again.
+            if limits.evict_live_results {
+                if let Some((_, k)) = self.by_expiry.pop_first() {
+                    self.remove(&RecordKey::clone(&k));
+                    continue;
+                }
             }
-            // Only live in-flight records remain.
+            // Only live records remain: refuse rather than lose one.
             return Err(full(self));
         }
         Ok(())
@@ -197,10 +210,12 @@ fn entry_size(k: &RecordKey, resp: Option<&StoredResponse>) -> usize {
 
 /// An in-process [`Store`]: one lock around a hash map, so every step is
 /// atomic; TTL expiry checked on access and by [`Store::purge_expired`];
-/// caps on entries and bytes where expired records, then the oldest
-/// completed ones, are evicted first. Live in-flight records are never
-/// evicted; when only they fill the store, `begin` fails with
-/// [`StoreError::Full`].
+/// caps on entries and bytes where expired results and claims whose lease
+/// ended are evicted first. Live records are kept: when only they fill the
+/// store, `begin` (and a `complete` that needs more room) fails with
+/// [`StoreError::Full`], unless [`MemoryLimits::evict_live_results`] allows
+/// evicting the live results that expire soonest. Live in-flight records are
+/// never evicted.
 ///
 /// Fences come from one store-wide counter, so they grow across expiry.
 /// Nothing survives the process: use it for tests and single-process services.

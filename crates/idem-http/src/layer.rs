@@ -69,6 +69,7 @@ impl Options {
             wait: self.wait,
             watchdog: true,
             on_cancel: Action::Hold,
+            ..EngineConfig::default()
         }
     }
 }

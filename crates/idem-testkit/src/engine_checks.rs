@@ -26,6 +26,7 @@ fn config(lease: Duration, on_cancel: Action) -> EngineConfig {
         wait: Duration::ZERO,
         watchdog: true,
         on_cancel,
+        ..EngineConfig::default()
     }
 }
 
@@ -202,13 +203,20 @@ pub async fn engine_cancel_release_frees_key<H: Harness>(h: &H) {
     assert!(next.fence > fence);
 }
 
-/// CASES A1: when saving the result fails (outage or timeout), the key stays
-/// in flight — never released for a second run — until its lease ends. A
-/// failed release also leaves it held.
+/// CASES A1: when saving the result fails (outage or timeout) and the
+/// engine is told not to retry, the key stays in flight — never released for
+/// a second run — until its lease ends. A failed release also leaves it held.
 pub async fn engine_failed_save_holds_key<H: Harness>(h: &H) {
     let faulty = FaultyStore::new(h.store());
     let lease = Duration::from_secs(1);
-    let engine = Engine::with_config(faulty.clone(), config(lease, Action::Hold));
+    let engine = Engine::with_config(
+        faulty.clone(),
+        EngineConfig {
+            save_wait: Duration::ZERO,
+            save_retry: Duration::ZERO,
+            ..config(lease, Action::Hold)
+        },
+    );
     let scope = fresh_scope();
     let cases = [
         (Fault::CompleteUnavailable, Action::Store(response("lost"))),
@@ -381,4 +389,62 @@ pub async fn engine_wait_mode_replays<H: Harness>(h: &H) {
         ),
         "{orig:?}"
     );
+}
+
+/// CASES A1, the default: a save that fails is retried (in the background
+/// after `save_wait`) while the lease is renewed, so a duplicate sees
+/// `InFlight` — never a second run — and gets the replay once the store
+/// takes the result.
+pub async fn engine_failed_save_is_retried_until_it_lands<H: Harness>(h: &H) {
+    let faulty = FaultyStore::new(h.store());
+    let engine = Engine::with_config(
+        faulty.clone(),
+        EngineConfig {
+            save_wait: ms(50),
+            save_retry: Duration::from_secs(20),
+            ..config(Duration::from_secs(2), Action::Hold)
+        },
+    );
+    let (scope, key) = (fresh_scope(), fresh_key("save-retry"));
+    faulty.set_fault(Fault::CompleteUnavailable);
+    let out = engine
+        .execute(&scope, &key, fp("a"), |_lease| async move {
+            ((), Action::Store(response("paid")))
+        })
+        .await
+        .expect("execute");
+    assert!(
+        matches!(
+            out,
+            Outcome::Executed {
+                saved: Saved::Failed(_),
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    let store = h.store();
+    let r = req(&scope, &key, fp("a"), Duration::from_secs(2));
+    expect_in_flight(&store, &r, Duration::from_secs(2)).await;
+    faulty.set_fault(Fault::None);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match store.begin(&r).await.expect("begin") {
+            Begin::Replay(resp) => {
+                assert_eq!(resp.status, response("paid").status);
+                assert!(
+                    resp.body == response("paid").body || resp.body_omitted,
+                    "the replay is the result, or the result without its body"
+                );
+                break;
+            }
+            Begin::InFlight { .. } => {}
+            other => panic!("a retried save must never free the key for a second run: {other:?}"),
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the retried save did not land within 10 s"
+        );
+        tokio::time::sleep(ms(20)).await;
+    }
 }

@@ -48,6 +48,7 @@ macro_rules! conformance_tests {
                 engine_cancel_hold_keeps_key_until_lease_end,
                 engine_cancel_release_frees_key,
                 engine_failed_save_holds_key,
+                engine_failed_save_is_retried_until_it_lands,
                 engine_watchdog_keeps_lease_alive,
                 engine_wait_mode_replays,
             ]

@@ -71,7 +71,36 @@ mod memory_tests {
         .await;
     }
 
-    /// CASES F2: with an entry cap, expired records go first, then claims whose
+    /// CASES F2 with the default limits: a store full of live results refuses
+    /// new claims with `Full` rather than evicting a result, so a retry of any
+    /// key within its TTL is still replayed (an evicted result would run again).
+    /// Expired records still make room.
+    #[tokio::test]
+    async fn default_caps_refuse_instead_of_evicting_a_live_result() {
+        let h = MemoryHarness::with_limits(MemoryLimits {
+            max_entries: 2,
+            ..MemoryLimits::default()
+        });
+        let store = h.store();
+        done(&store, "a", MIN).await;
+        done(&store, "b", 2 * SEC).await;
+        match claim(&store, "c", MIN).await {
+            Err(StoreError::Full { .. }) => {}
+            other => panic!("expected Full, got {other:?}"),
+        }
+        replays(&store, "a").await;
+        replays(&store, "b").await;
+        // b expires: now there is room, and a is still replayed.
+        h.advance(3 * SEC).await;
+        assert!(matches!(
+            claim(&store, "c", MIN).await,
+            Ok(Begin::Acquired(_))
+        ));
+        replays(&store, "a").await;
+        in_flight(&store, "c").await;
+    }
+
+    /// CASES F2 with `evict_live_results`: with an entry cap, expired records go first, then claims whose
     /// lease ended, then the completed record that expires soonest; a live
     /// in-flight record is never evicted, and when only those fill the store
     /// `begin` fails with `Full`.
@@ -80,6 +109,7 @@ mod memory_tests {
         let h = MemoryHarness::with_limits(MemoryLimits {
             max_entries: 3,
             max_bytes: usize::MAX,
+            evict_live_results: true,
         });
         let store = h.store();
         done(&store, "a", SEC).await;
@@ -150,6 +180,7 @@ mod memory_tests {
         let h = MemoryHarness::with_limits(MemoryLimits {
             max_entries: usize::MAX,
             max_bytes: 2_000,
+            evict_live_results: true,
         });
         let store = h.store();
         let big = |name: &str| StoredResponse::new(200, vec![name.as_bytes()[0]; 600]);
@@ -239,6 +270,7 @@ mod memory_tests {
         let h = MemoryHarness::with_limits(MemoryLimits {
             max_entries: 2,
             max_bytes: usize::MAX,
+            evict_live_results: true,
         });
         let store = h.store();
         let Ok(Begin::Acquired(lease)) = claim(&store, "long", SEC).await else {
@@ -275,6 +307,7 @@ mod memory_tests {
         let h = MemoryHarness::with_limits(MemoryLimits {
             max_entries: usize::MAX,
             max_bytes: 400,
+            ..MemoryLimits::default()
         });
         let store = h.store();
         let mut held = Vec::new();
