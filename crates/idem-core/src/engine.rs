@@ -402,8 +402,8 @@ struct Saver<S> {
     response: StoredResponse,
     ttl: Duration,
     lease_for: Duration,
-    /// Failed `complete`s while `extend` succeeded (the store is up; the
-    /// result itself is refused).
+    /// `complete`s refused (not timed out) while `extend` succeeded: the
+    /// store is up and refuses the result itself.
     strikes: u32,
     delay: Duration,
 }
@@ -424,7 +424,11 @@ impl<S: Store> Saver<S> {
             match self.store.extend(&self.lease, self.lease_for).await {
                 Ok(l) => {
                     self.lease = l;
-                    self.strikes += 1;
+                    // A timeout says nothing about the payload; a definite
+                    // refusal while the store answers `extend` does.
+                    if !matches!(err, StoreError::Timeout { .. }) {
+                        self.strikes += 1;
+                    }
                     if self.strikes >= 5 && !self.response.body_omitted {
                         tracing::error!(key = %self.lease.key, error = %err, body_bytes = self.response.body.len(), "the store keeps refusing this result; saving it without its body");
                         self.response.body = bytes::Bytes::new();
