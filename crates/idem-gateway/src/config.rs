@@ -102,10 +102,22 @@ pub struct GatewayArgs {
     #[arg(long, env = "IDEM_RETENTION_LIMIT", value_name = "BYTES", default_value = "1MiB", value_parser = parse_size)]
     pub retention_limit: usize,
 
-    /// How long to wait for the upstream's response headers. Past it the
-    /// answer is 504 and the key stays in flight until its lease ends.
+    /// How long to wait for the upstream's response headers, and then for
+    /// each next chunk of its response body (an idle timeout between
+    /// chunks, not a bound on the whole body). Headers late: 504; a body
+    /// that stalls: 502 `upstream-failed` (or, past `--retention-limit`,
+    /// the response cut short). Either way the key stays in flight until
+    /// its lease ends. Must be above 0.
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
     pub upstream_timeout: Duration,
+
+    /// How long a pooled keep-alive connection to the upstream may stay
+    /// unused before it is closed instead of reused. Keep it below the
+    /// upstream's own keep-alive timeout (Node.js 5s, gunicorn 2s): a
+    /// request sent on a connection the upstream is closing fails with an
+    /// unknown outcome (502, key held until its lease ends). Must be above 0.
+    #[arg(long, env = "IDEM_UPSTREAM_IDLE_TIMEOUT", value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
+    pub upstream_idle_timeout: Duration,
 
     /// How long a duplicate waits for an in-flight original to finish and
     /// then gets its replay; `0` answers 409 at once.
@@ -164,7 +176,7 @@ impl GatewayArgs {
     ///
     /// # Errors
     /// [`ConfigError`] when the lease is 0, the TTL is shorter than the
-    /// lease, the upstream timeout, the body limit, the store pool size or
+    /// lease, the upstream timeout, the upstream idle timeout, the body limit, the store pool size or
     /// the store timeout is 0, no method is given, the store URL names an
     /// unsupported scheme or a bad `idem_*` option, or a
     /// `--scope-header` name is not a usable header name
@@ -189,6 +201,7 @@ impl GatewayArgs {
         config.max_body = self.max_body;
         config.retention_limit = self.retention_limit;
         config.upstream_timeout = self.upstream_timeout;
+        config.upstream_idle_timeout = self.upstream_idle_timeout;
         config.wait = self.wait;
         config.store_pool_size = self.store_pool_size;
         config.store_timeout = self.store_timeout;
@@ -224,8 +237,13 @@ pub struct GatewayConfig {
     pub max_body: usize,
     /// Largest response body kept for replay, bytes (default 1,048,576).
     pub retention_limit: usize,
-    /// Time allowed for the upstream's response headers (default 30 s).
+    /// Time allowed for the upstream's response headers, and then between
+    /// two chunks of its response body (default 30 s; above 0).
     pub upstream_timeout: Duration,
+    /// How long a pooled keep-alive connection to the upstream may stay
+    /// unused before it is closed rather than reused (default 1 s; above
+    /// 0). Keep it below the upstream's own keep-alive timeout.
+    pub upstream_idle_timeout: Duration,
     /// How long a duplicate waits for an in-flight original (default 0: 409 at once).
     pub wait: Duration,
     /// How the caller's scope is derived (default: a SHA-256 of the
@@ -264,6 +282,7 @@ impl GatewayConfig {
             max_body: 10 * 1024 * 1024,
             retention_limit: 1024 * 1024,
             upstream_timeout: Duration::from_secs(30),
+            upstream_idle_timeout: Duration::from_secs(1),
             wait: Duration::ZERO,
             scope: ScopeBy::Headers(vec![AUTHORIZATION]),
             store_pool_size: 16,
@@ -291,6 +310,9 @@ impl GatewayConfig {
         }
         if self.upstream_timeout.is_zero() {
             return Err(ConfigError::Zero("--upstream-timeout"));
+        }
+        if self.upstream_idle_timeout.is_zero() {
+            return Err(ConfigError::Zero("--upstream-idle-timeout"));
         }
         if self.max_body == 0 {
             return Err(ConfigError::Zero("--max-body"));
@@ -341,6 +363,7 @@ impl std::fmt::Debug for GatewayArgs {
             .field("max_body", &self.max_body)
             .field("retention_limit", &self.retention_limit)
             .field("upstream_timeout", &self.upstream_timeout)
+            .field("upstream_idle_timeout", &self.upstream_idle_timeout)
             .field("wait", &self.wait)
             .field("store_pool_size", &self.store_pool_size)
             .field("store_timeout", &self.store_timeout)
@@ -364,6 +387,7 @@ impl std::fmt::Debug for GatewayConfig {
             .field("max_body", &self.max_body)
             .field("retention_limit", &self.retention_limit)
             .field("upstream_timeout", &self.upstream_timeout)
+            .field("upstream_idle_timeout", &self.upstream_idle_timeout)
             .field("wait", &self.wait)
             .field("scope", &self.scope)
             .field("store_pool_size", &self.store_pool_size)
@@ -614,6 +638,7 @@ mod tests {
         assert_eq!(c.max_body, 10_485_760);
         assert_eq!(c.retention_limit, 1_048_576);
         assert_eq!(c.upstream_timeout, Duration::from_secs(30));
+        assert_eq!(c.upstream_idle_timeout, Duration::from_secs(1));
         assert_eq!(c.wait, Duration::ZERO);
         assert_eq!(scope_names(&c), vec!["authorization"]);
         assert_eq!(c.store_pool_size, 16);
@@ -717,6 +742,8 @@ mod tests {
             "64KiB",
             "--upstream-timeout",
             "5s",
+            "--upstream-idle-timeout",
+            "250ms",
             "--wait",
             "2s",
             "--store-pool-size",
@@ -735,6 +762,8 @@ mod tests {
         assert_eq!(c.max_body, 1_000_000);
         assert_eq!(c.retention_limit, 65_536);
         assert_eq!(c.wait, Duration::from_secs(2));
+        assert_eq!(c.upstream_timeout, Duration::from_secs(5));
+        assert_eq!(c.upstream_idle_timeout, Duration::from_millis(250));
         assert_eq!(c.upstream.path(), "/api");
         assert_eq!(c.store_pool_size, 4);
         assert_eq!(c.store_timeout, Duration::from_millis(750));
@@ -778,6 +807,17 @@ mod tests {
         assert!(matches!(
             g(&["--upstream-timeout", "0"]),
             Err(ConfigError::Zero(_))
+        ));
+        assert!(matches!(
+            g(&["--upstream-idle-timeout", "0"]),
+            Err(ConfigError::Zero("--upstream-idle-timeout"))
+        ));
+        let mut c = GatewayConfig::new("http://x:1".parse().unwrap());
+        c.store = "memory://".into();
+        c.upstream_idle_timeout = Duration::ZERO;
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::Zero("--upstream-idle-timeout"))
         ));
         assert!(matches!(g(&["--max-body", "0"]), Err(ConfigError::Zero(_))));
         assert!(matches!(

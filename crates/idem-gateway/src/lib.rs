@@ -46,7 +46,8 @@
 //! | `--require-key` | `IDEM_REQUIRE_KEY` | off | 400 for a guarded request without key |
 //! | `--max-body` | `IDEM_MAX_BODY` | `10485760` | largest guarded request body (bytes; `10MiB`, `1MB` accepted) |
 //! | `--retention-limit` | `IDEM_RETENTION_LIMIT` | `1MiB` | largest response body kept for replay |
-//! | `--upstream-timeout` | `IDEM_UPSTREAM_TIMEOUT` | `30s` | time allowed for the upstream's response headers |
+//! | `--upstream-timeout` | `IDEM_UPSTREAM_TIMEOUT` | `30s` | time allowed for the upstream's response headers, and for each gap between two chunks of its response body (idle timeout, not a bound on the whole body); > 0 |
+//! | `--upstream-idle-timeout` | `IDEM_UPSTREAM_IDLE_TIMEOUT` | `1s` | how long a pooled keep-alive connection to the upstream may sit unused before it is closed instead of reused; keep it below the upstream's keep-alive timeout (Node.js 5 s, gunicorn 2 s); > 0 |
 //! | `--wait` | `IDEM_WAIT` | `0` | how long a duplicate waits for the original (0: 409 at once) |
 //! | `--scope-header NAME` | `IDEM_SCOPE_HEADER` | `authorization` | headers whose values scope a key (SHA-256 over them); repeatable, comma-separated |
 //!
@@ -139,6 +140,7 @@
 //! |---|---|---|
 //! | connection refused / connect timeout (nothing sent) | 502 `upstream-unreachable` | released: a retry runs |
 //! | no response headers within `--upstream-timeout` | 504 `upstream-timeout` | held until its lease ends (the call may still land) |
+//! | no body chunk for `--upstream-timeout` before `--retention-limit` bytes | 502 `upstream-failed` | held until its lease ends |
 //! | connection broke after the request was sent | 502 `upstream-failed` | held until its lease ends |
 //! | body broke before `--retention-limit` bytes (buffered, nothing sent yet) | 502 `upstream-failed` | held until its lease ends |
 //! | body broke past `--retention-limit` (already streaming) | the upstream's status, body cut short | completed without its body: duplicates get 410 |
@@ -148,7 +150,16 @@
 //! | store fails or times out while saving the result | the upstream's answer | held until its lease ends |
 //!
 //! The connect timeout is half the upstream timeout, at most 5 s, so an
-//! unreachable host is reported as such rather than as a timeout.
+//! unreachable host is reported as such rather than as a timeout. A body
+//! that stalls past `--retention-limit` (already streaming) is cut short
+//! after `--upstream-timeout` without a chunk, like a broken one.
+//!
+//! Pooled connections to the upstream are dropped after
+//! `--upstream-idle-timeout` (1 s) unused. An upstream that closes idle
+//! keep-alive connections sooner than that races the gateway: a request
+//! sent as the connection closes fails with an unknown outcome (502
+//! `upstream-failed`, key held), so set the flag below the upstream's
+//! keep-alive timeout.
 //!
 //! ## Reserved paths
 //!

@@ -8,14 +8,17 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use idem_http::{problem, BoxBody, Disposition};
+use idem_http::{problem, BoxBody, BoxError, Disposition};
+use tokio::time::{Instant, Sleep};
 
 use crate::fail_open::ProxyCalled;
 
@@ -130,7 +133,17 @@ impl Upstream {
 /// connections over plain TCP.
 pub(crate) type UpstreamClient = Client<HttpConnector, BoxBody>;
 
-pub(crate) fn client(upstream_timeout: Duration) -> UpstreamClient {
+/// The upstream client. `upstream_timeout` bounds the TCP connect (half of
+/// it, at most 5 s); `idle_timeout` (`--upstream-idle-timeout`) is how long
+/// a pooled keep-alive connection may sit unused before it is dropped
+/// rather than reused.
+///
+/// The idle timeout must stay below the upstream's own keep-alive timeout
+/// (Node.js 5 s, gunicorn 2 s, …): a request written to a connection the
+/// upstream is closing at that moment fails with "connection closed before
+/// message completed", an outcome the gateway cannot know, so the key is
+/// held for its lease.
+pub(crate) fn client(upstream_timeout: Duration, idle_timeout: Duration) -> UpstreamClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     // Shorter than the whole upstream timeout, so a host that does not
@@ -139,7 +152,7 @@ pub(crate) fn client(upstream_timeout: Duration) -> UpstreamClient {
     connector.set_connect_timeout(Some((upstream_timeout / 2).min(Duration::from_secs(5))));
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(30))
+        .pool_idle_timeout(idle_timeout)
         .build(connector)
 }
 
@@ -236,7 +249,7 @@ impl Proxy {
             Ok(Ok(resp)) => {
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
-                Response::from_parts(parts, body.map_err(Into::into).boxed_unsync())
+                Response::from_parts(parts, IdleTimeout::new(body, self.timeout).boxed_unsync())
             }
             Ok(Err(e)) if e.is_connect() => {
                 tracing::warn!(%method, %path, error = %error_chain(&e), "upstream unreachable; nothing was sent");
@@ -273,6 +286,93 @@ impl Proxy {
                     Disposition::Hold,
                 )
             }
+        }
+    }
+}
+
+/// A response body that fails when the upstream sends no frame for
+/// `timeout` (`--upstream-timeout`) while it is being read: an upstream
+/// that stalls mid-body must not hold the key, and its first caller,
+/// forever. The time counts from each `poll_frame` that starts waiting
+/// for a new frame, so a slow reader downstream is never blamed on the
+/// upstream.
+///
+/// The error reaches the idempotency layer like any broken body: within
+/// `--retention-limit` the caller gets 502 `upstream-failed` and the key is
+/// held until its lease ends; past it, the streamed response is cut short.
+pub(crate) struct IdleTimeout<B> {
+    inner: B,
+    timeout: Duration,
+    sleep: Pin<Box<Sleep>>,
+    /// Whether `sleep` is set for the frame now awaited.
+    armed: bool,
+    /// Whether the timeout fired (the body then ends).
+    fired: bool,
+}
+
+impl<B> IdleTimeout<B> {
+    /// Wraps `inner`; must be called within a Tokio runtime.
+    pub(crate) fn new(inner: B, timeout: Duration) -> Self {
+        Self {
+            inner,
+            timeout,
+            sleep: Box::pin(tokio::time::sleep(timeout)),
+            armed: false,
+            fired: false,
+        }
+    }
+}
+
+/// The error of an [`IdleTimeout`] body.
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream sent no part of its response body for {}", humantime::format_duration(*.0))]
+pub(crate) struct BodyIdle(Duration);
+
+impl<B> Body for IdleTimeout<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.fired {
+            return Poll::Ready(None);
+        }
+        if !this.armed {
+            let deadline = Instant::now() + this.timeout;
+            this.sleep.as_mut().reset(deadline);
+            this.armed = true;
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.armed = false;
+                Poll::Ready(frame.map(|r| r.map_err(Into::into)))
+            }
+            Poll::Pending => match this.sleep.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    this.fired = true;
+                    Poll::Ready(Some(Err(BodyIdle(this.timeout).into())))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.fired || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.fired {
+            SizeHint::with_exact(0)
+        } else {
+            self.inner.size_hint()
         }
     }
 }
@@ -333,6 +433,48 @@ mod tests {
             h["x-forwarded-for"],
             "203.0.113.7, 198.51.100.1, 192.0.2.9, 10.0.0.2"
         );
+    }
+
+    type Frames = futures::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, Infallible>>>;
+
+    fn frames(n: usize) -> Frames {
+        let frames: Vec<_> = (0..n)
+            .map(|i| Ok(Frame::data(Bytes::from(format!("{i};")))))
+            .collect();
+        futures::stream::iter(frames)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_stops_sending_fails_after_the_idle_timeout() {
+        use futures::StreamExt;
+        let stalled = frames(2).chain(futures::stream::pending());
+        let mut body = IdleTimeout::new(
+            http_body_util::StreamBody::new(stalled),
+            Duration::from_secs(2),
+        );
+        assert!(body.frame().await.unwrap().is_ok());
+        assert!(body.frame().await.unwrap().is_ok());
+        let started = Instant::now();
+        let err = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        assert!(err.is::<BodyIdle>(), "{err}");
+        assert!(err.to_string().contains("2s"), "{err}");
+        assert!(body.frame().await.is_none(), "ends after the error");
+        assert!(body.is_end_stream());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_reader_is_not_blamed_on_the_upstream() {
+        let mut body = IdleTimeout::new(
+            http_body_util::StreamBody::new(frames(3)),
+            Duration::from_secs(1),
+        );
+        let mut got = Vec::new();
+        while let Some(frame) = body.frame().await {
+            got.extend_from_slice(&frame.unwrap().into_data().unwrap());
+            tokio::time::sleep(Duration::from_secs(10)).await;
+        }
+        assert_eq!(got, b"0;1;2;");
     }
 
     #[test]

@@ -236,7 +236,7 @@ impl Gateway {
             .with_lease(config.lease)
             .with_ttl(config.ttl)
             .with_wait(config.wait);
-        let client = proxy::client(config.upstream_timeout);
+        let client = proxy::client(config.upstream_timeout, config.upstream_idle_timeout);
         let methods: Vec<&str> = config.methods.iter().map(Method::as_str).collect();
         let scope = match &config.scope {
             ScopeBy::Headers(names) => {

@@ -10,13 +10,27 @@
 //! case-insensitive) is first canonicalised with the JSON Canonicalization
 //! Scheme (RFC 8785), so key order and insignificant whitespace do not
 //! matter, while array order does. Numbers compare by their IEEE 754 double
-//! value as RFC 8785 says (`1.0`, `1` and `1e0` are the same). A body that
-//! is not I-JSON (RFC 7493) is hashed as raw bytes, without an error:
-//! malformed JSON, a lone surrogate, an object with a duplicate member name,
-//! nesting deeper than 128, or a number of magnitude 2^53 or more (where
-//! doubles no longer hold every integer, so two different large amounts
-//! could otherwise share a fingerprint). Other bodies are hashed as raw
-//! bytes.
+//! value as RFC 8785 says (`1.0`, `1`, `1e0` and `100`, `1E2` are the
+//! same). A body that is not I-JSON (RFC 7493) is hashed as raw bytes,
+//! without an error: malformed JSON, a lone surrogate, an object with a
+//! duplicate member name, nesting deeper than 128, or a number of magnitude
+//! 2^53 or more (where doubles no longer hold every integer, so two
+//! different large amounts could otherwise share a fingerprint).
+//!
+//! For the same reason a body is hashed raw when one of its numbers is more
+//! precise than a double: when the number's decimal value differs from the
+//! shortest decimal that round-trips its double (trailing zeros, leading
+//! zeros and exponent notation aside). `0.1` and `0.10` are kept,
+//! `0.1000000000000000001` (the same double as `0.1`) is not, so the two
+//! amounts never share a fingerprint. Every number with at most 15
+//! significant digits in the normal double range is kept, and so is
+//! nearly every number written by a shortest-round-trip formatter
+//! (JavaScript, serde_json, Python's `repr`), such as
+//! `0.30000000000000004`. The exception is a 17-digit double exactly
+//! halfway between two shortest candidates (`1466536241731893.25` may be
+//! written `…893.2` or `…893.3`): only the one Rust's formatter picks is
+//! kept, the other is hashed raw, so two different amounts still never
+//! meet. Other bodies are hashed as raw bytes.
 
 use std::fmt;
 
@@ -111,17 +125,142 @@ pub fn is_json_media_type(content_type: &[u8]) -> bool {
 
 /// The RFC 8785 canonical form of a JSON text, or `None` when it is not
 /// I-JSON (malformed, duplicate member names, a lone surrogate, a number of
-/// magnitude 2^53 or more, nested deeper than 128).
+/// magnitude 2^53 or more, nested deeper than 128) or when a number is more
+/// precise than a double (see the [module docs](self)).
 ///
 /// ```
 /// use idem_http::fingerprint::canonical_json;
 /// assert_eq!(canonical_json(br#"{ "b": 1.0, "a": [true, null] }"#).unwrap(), br#"{"a":[true,null],"b":1}"#);
 /// assert_eq!(canonical_json(br#"{"a":1,"a":2}"#), None);
 /// assert_eq!(canonical_json(b"{"), None);
+/// assert_eq!(canonical_json(br#"{"amount":0.1000000000000000001}"#), None);
 /// ```
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     let Strict(value) = serde_json::from_slice(body).ok()?;
+    if !numbers_fit_doubles(body) {
+        return None;
+    }
     serde_json_canonicalizer::to_vec(&value).ok()
+}
+
+/// Whether every number literal of `json` (a valid JSON text) has the
+/// decimal value of the shortest decimal that round-trips its double, so
+/// that no two different numbers can meet in one double.
+///
+/// Correct because the shortest round-trip decimal is a function of the
+/// double: two accepted literals with one double have one decimal value.
+fn numbers_fit_doubles(json: &[u8]) -> bool {
+    let mut i = 0;
+    while i < json.len() {
+        match json[i] {
+            b'"' => {
+                // Skip the string; the text is valid JSON, so it ends.
+                i += 1;
+                while i < json.len() && json[i] != b'"' {
+                    i += if json[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            b'-' | b'0'..=b'9' => {
+                let start = i;
+                while i < json.len()
+                    && matches!(json[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                {
+                    i += 1;
+                }
+                // ASCII by construction.
+                let Ok(text) = std::str::from_utf8(&json[start..i]) else {
+                    return false;
+                };
+                if !fits_double(text) {
+                    return false;
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    true
+}
+
+/// Whether the JSON number `text` has the decimal value of the shortest
+/// round-trip decimal of its double (Rust's `{:e}` formatting).
+fn fits_double(text: &str) -> bool {
+    let Ok(double) = text.parse::<f64>() else {
+        return false;
+    };
+    if !double.is_finite() {
+        return false;
+    }
+    match (Decimal::parse(text), Decimal::parse(&format!("{double:e}"))) {
+        (Some(written), Some(shortest)) => written == shortest,
+        _ => false,
+    }
+}
+
+/// A decimal number as significant digits (no leading or trailing zeros)
+/// times a power of ten; zero is no digits, exponent 0, either sign.
+#[derive(Debug, PartialEq, Eq)]
+struct Decimal {
+    negative: bool,
+    digits: Vec<u8>,
+    exponent: i64,
+}
+
+impl Decimal {
+    /// Parses `-?digits[.digits][(e|E)[+-]digits]`.
+    fn parse(text: &str) -> Option<Self> {
+        let (negative, rest) = match text.strip_prefix('-') {
+            Some(r) => (true, r),
+            None => (false, text),
+        };
+        let (mantissa, exp) = match rest.find(['e', 'E']) {
+            Some(at) => (&rest[..at], Some(&rest[at + 1..])),
+            None => (rest, None),
+        };
+        let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        if int.is_empty() || !int.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let mut exponent: i64 = match exp {
+            None => 0,
+            Some(e) => {
+                let (sign, digits) = match e.as_bytes().first() {
+                    Some(b'-') => (-1, &e[1..]),
+                    Some(b'+') => (1, &e[1..]),
+                    _ => (1, e),
+                };
+                if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                // Saturates: such exponents are far outside any double.
+                let magnitude = digits.bytes().fold(0i64, |acc, b| {
+                    acc.saturating_mul(10).saturating_add(i64::from(b - b'0'))
+                });
+                sign * magnitude
+            }
+        };
+        exponent = exponent.saturating_sub(i64::try_from(frac.len()).ok()?);
+        let mut digits: Vec<u8> = int.bytes().chain(frac.bytes()).map(|b| b - b'0').collect();
+        while digits.last() == Some(&0) {
+            digits.pop();
+            exponent = exponent.saturating_add(1);
+        }
+        let leading = digits.iter().take_while(|&&d| d == 0).count();
+        digits.drain(..leading);
+        if digits.is_empty() {
+            // -0 and 0 are one double, serialised as 0 (RFC 8785).
+            return Some(Self {
+                negative: false,
+                digits,
+                exponent: 0,
+            });
+        }
+        Some(Self {
+            negative,
+            digits,
+            exponent,
+        })
+    }
 }
 
 /// A JSON value that refuses what RFC 7493 (I-JSON) excludes and RFC 8785
@@ -296,6 +435,65 @@ mod tests {
     }
 
     #[test]
+    fn numbers_beyond_double_precision_are_hashed_raw() {
+        // One double, two amounts: never the same request.
+        assert_eq!(0.1f64, "0.1000000000000000001".parse::<f64>().unwrap());
+        assert_ne!(
+            json(r#"{"amount": 0.1}"#),
+            json(r#"{"amount": 0.1000000000000000001}"#)
+        );
+        assert_eq!(canonical_json(br#"{"amount":0.1000000000000000001}"#), None);
+        assert_ne!(json("[1]"), json("[1.00000000000000000001]"));
+        assert_ne!(json("[0]"), json("[1e-400]"), "underflows to 0");
+        assert_ne!(json("[0]"), json("[-1e-400]"));
+        assert_ne!(
+            json("[5e-324]"),
+            json("[4.9406564584124654e-324]"),
+            "the same subnormal"
+        );
+        // A string that looks like such a number is just a string.
+        assert!(canonical_json(br#"{"a":"0.1000000000000000001\"1e-400"}"#).is_some());
+        // RFC 8785 equivalence is kept for every number a double holds.
+        assert_eq!(json(r#"{"n":1.0}"#), json(r#"{"n":1}"#));
+        assert_eq!(json(r#"{"n":1e2}"#), json(r#"{"n":100}"#));
+        assert_eq!(json(r#"{"n":0.10}"#), json(r#"{"n":1E-1}"#));
+        assert_eq!(json(r#"{"n":-0}"#), json(r#"{"n":0.000e5}"#));
+        assert_eq!(
+            json(r#"{"amount":0.1,"currency":"EUR"}"#),
+            json(r#"{"currency":"EUR", "amount":0.1}"#)
+        );
+        // Shortest round-trip output of 17 significant digits is kept.
+        assert_eq!(
+            canonical_json(b"[0.30000000000000004, 5e-324, 1.7976931348623157e-300]").unwrap(),
+            b"[0.30000000000000004,5e-324,1.7976931348623157e-300]"
+        );
+        // A tie between two shortest forms: only one is kept.
+        assert!(fits_double("-1466536241731893.3"));
+        assert!(!fits_double("-1466536241731893.2"));
+        assert_ne!(json("[1466536241731893.3]"), json("[1466536241731893.2]"));
+        // 15 significant digits always fit.
+        assert!(
+            canonical_json(b"[123456789012345, 0.123456789012345, 9.99999999999999e-300]")
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn decimals_normalise() {
+        let d = |s: &str| Decimal::parse(s).unwrap();
+        assert_eq!(d("100"), d("1e2"));
+        assert_eq!(d("1.500"), d("15E-1"));
+        assert_eq!(d("-0.0"), d("0"));
+        assert_eq!(d("0.001"), d("1e-3"));
+        assert_ne!(d("-1"), d("1"));
+        assert_ne!(d("0.1"), d("0.1000000000000000001"));
+        assert_eq!(d("1e99999999999999999999999").exponent, i64::MAX);
+        assert!(!fits_double("1e400"));
+        assert!(fits_double("123.456"));
+        assert!(!fits_double("123.4560000000000000001"));
+    }
+
+    #[test]
     fn string_escapes_are_canonical() {
         assert_eq!(json(r#"{"s":"\u00e9\u0041"}"#), json(r#"{"s":"éA"}"#));
         assert_eq!(json(r#"{"s":"\/"}"#), json(r#"{"s":"/"}"#));
@@ -426,6 +624,10 @@ mod tests {
             any::<f64>()
                 .prop_filter("finite, below 2^53", |f| f.is_finite()
                     && f.abs() < (1u64 << 53) as f64)
+                // Ties between two shortest forms (see the module docs).
+                .prop_filter("written as Rust's shortest form", |f| fits_double(
+                    &serde_json::to_string(f).unwrap()
+                ))
                 .prop_map(Value::from),
             "\\PC{0,12}".prop_map(Value::String),
         ];

@@ -309,6 +309,9 @@ pub enum RawAction {
     CloseWithoutAnswer,
     /// Write these bytes, then close the socket.
     WriteAndClose(Vec<u8>),
+    /// Write these bytes, keep the socket open for the duration (a stalled
+    /// response), then close it.
+    WriteAndStall(Vec<u8>, Duration),
 }
 
 /// A raw TCP upstream for broken connections and exact response bytes.
@@ -382,6 +385,11 @@ pub async fn raw_upstream(action: RawAction) -> RawUpstream {
                     RawAction::WriteAndClose(bytes) => {
                         let _ = sock.write_all(&bytes).await;
                         let _ = sock.flush().await;
+                    }
+                    RawAction::WriteAndStall(bytes, stall) => {
+                        let _ = sock.write_all(&bytes).await;
+                        let _ = sock.flush().await;
+                        tokio::time::sleep(stall).await;
                     }
                 }
                 drop(sock);
