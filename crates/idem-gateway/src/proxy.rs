@@ -249,6 +249,9 @@ impl Proxy {
             Ok(Ok(resp)) => {
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
+                // Only the gateway says whether an answer is a replay, on
+                // guarded and unguarded requests alike.
+                parts.headers.remove("idempotent-replayed");
                 Response::from_parts(parts, IdleTimeout::new(body, self.timeout).boxed_unsync())
             }
             Ok(Err(e)) if e.is_connect() => {

@@ -211,6 +211,19 @@ async fn get_passes_through_unguarded_even_with_a_key() {
     assert!(mem.is_empty(), "a GET touched the store");
 }
 
+/// Only the gateway says whether an answer is a replay: an upstream's own
+/// `Idempotent-Replayed` is dropped on unguarded requests too (no key here).
+#[tokio::test]
+async fn an_upstream_replayed_header_never_reaches_the_client() {
+    let up = upstream().await;
+    let gw = gateway_with(config(&up.url()), Arc::new(MemoryStore::new())).await;
+    let c = client();
+    let r = read(c.post(gw.url("/claims-replayed")).send().await.unwrap()).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.header("idempotent-replayed"), None);
+    assert_eq!(up.hits(), 1);
+}
+
 #[tokio::test]
 async fn unguarded_bodies_stream_without_the_body_limit() {
     let up = upstream().await;

@@ -173,6 +173,16 @@ impl SqliteStore {
     /// As for [`Self::open`].
     pub async fn open_with(path_or_url: &str, options: SqliteOptions) -> Result<Self, StoreError> {
         let (connect, in_memory) = connect_options(path_or_url)?;
+        if !in_memory {
+            // "Created if missing" covers the folders too: a fresh
+            // `sqlite://data/idem.db` should not fail on a missing `data/`.
+            if let Some(dir) = connect.get_filename().parent() {
+                if !dir.as_os_str().is_empty() {
+                    std::fs::create_dir_all(dir)
+                        .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
+                }
+            }
+        }
         let connect = connect
             .create_if_missing(true)
             .journal_mode(if in_memory {

@@ -304,8 +304,10 @@ mod sqlite_tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let abs = dir.path().join("abs.db");
         let plain = dir.path().join("plain.db");
+        let nested = dir.path().join("missing").join("folders").join("n.db");
         for (url, file) in [
             (format!("sqlite://{}", abs.display()), Some(&abs)),
+            (format!("sqlite://{}", nested.display()), Some(&nested)),
             (plain.display().to_string(), Some(&plain)),
             ("sqlite::memory:".to_owned(), None),
         ] {
@@ -331,8 +333,11 @@ mod sqlite_tests {
             SqliteStore::open("").await,
             Err(StoreError::Config(_))
         ));
-        let missing_dir = dir.path().join("no/such/dir/idem.db");
-        match SqliteStore::open(missing_dir.to_str().expect("utf-8")).await {
+        // A folder that cannot be made (a regular file stands in its way).
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, b"x").expect("write");
+        let blocked = file.join("idem.db");
+        match SqliteStore::open(blocked.to_str().expect("utf-8")).await {
             Err(StoreError::Unavailable {
                 phase: Phase::Connect,
                 ..

@@ -119,6 +119,20 @@ fn app(state: AppState) -> Router {
                 },
             ),
         )
+        // An upstream that claims its own answer is a replay.
+        .route(
+            "/claims-replayed",
+            routing::post(
+                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
+                    let n = s.hit(m, u, h, b);
+                    Response::builder()
+                        .status(StatusCode::CREATED)
+                        .header("idempotent-replayed", "true")
+                        .body(Body::from(format!("claims {n}")))
+                        .unwrap()
+                },
+            ),
+        )
         .route(
             "/refunds",
             routing::post(
