@@ -22,46 +22,13 @@ use tokio::time::{Instant, Sleep};
 
 use crate::fail_open::ProxyCalled;
 
-/// Hop-by-hop header fields (RFC 9110 §7.6.1), removed in both directions.
-/// `Proxy-Connection` and `Keep-Alive` are not in the RFC's list of fields
-/// but are hop-by-hop in practice.
-pub const HOP_BY_HOP: [&str; 7] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
+/// Hop-by-hop fields (RFC 9110 §7.6.1) and their removal, shared with the
+/// layer's replays; `Idempotency-Key` is kept even when `Connection` names it.
+pub use idem_http::replay::{strip_hop_by_hop, HOP_BY_HOP};
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// Removes the hop-by-hop fields of RFC 9110 §7.6.1 from `headers`: the
-/// fields named in `Connection`, then `Connection`, `Keep-Alive`,
-/// `Proxy-Connection`, `TE`, `Trailer`, `Transfer-Encoding` and `Upgrade`.
-///
-/// `Idempotency-Key` is kept even when `Connection` names it: the upstream
-/// must see the key the gateway guarded the request with.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let listed: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .filter(|n| *n != IDEMPOTENCY_KEY)
-        .collect();
-    for name in listed {
-        headers.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        headers.remove(name);
-    }
-}
 
 /// Appends `client` to `X-Forwarded-For`, joining earlier fields into one
 /// comma-separated list (`X-Forwarded-For: 203.0.113.7, 10.0.0.2`).

@@ -31,7 +31,9 @@ pub const HOP_BY_HOP: [&str; 7] = [
 ];
 
 /// Removes hop-by-hop fields: those in [`HOP_BY_HOP`] and every field named
-/// in a `Connection` field (comma-separated, case-insensitive).
+/// in a `Connection` field (comma-separated, case-insensitive), except
+/// `Idempotency-Key`: a proxy's upstream must see the key the request was
+/// guarded with. The gateway uses this in both directions.
 ///
 /// ```
 /// use http::HeaderMap;
@@ -50,6 +52,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .filter(|n| *n != crate::key::IDEMPOTENCY_KEY)
         .collect();
     for name in listed {
         headers.remove(name);
