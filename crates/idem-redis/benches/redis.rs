@@ -5,27 +5,18 @@
 //!
 //! `cargo bench -p idem-redis --bench redis`
 //!
-//! Keys use a random prefix and a 10 s TTL, so the bench leaves nothing
+//! Keys use a random prefix and a 60 s TTL, so the bench leaves nothing
 //! behind for long.
 
 // `criterion_group!` defines an undocumented `pub fn`.
 #![allow(missing_docs)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use idem_core::{Begin, BeginRequest, Fingerprint, IdempotencyKey, Scope, Store, StoredResponse};
+use idem_core::Store;
 use idem_redis::{RedisOptions, RedisStore};
-
-fn request(key: &str) -> BeginRequest {
-    BeginRequest {
-        scope: Scope::anonymous(),
-        key: IdempotencyKey::new(key).expect("key"),
-        fingerprint: Fingerprint::of(b"POST /orders {\"amount\":1000}"),
-        lease: Duration::from_secs(30),
-    }
-}
+use idem_testkit::bench::begin_complete_and_replay;
 
 fn bench(c: &mut Criterion) {
     let url = std::env::var("IDEM_TEST_REDIS_URL")
@@ -46,36 +37,9 @@ fn bench(c: &mut Criterion) {
                  --dir /var/lib/redis --logfile /var/log/redis/ci.log"
             )
         });
-    let resp = StoredResponse::new(201, br#"{"id":42,"status":"paid"}"#.to_vec());
-    let ttl = Duration::from_secs(10);
-    let n = AtomicU64::new(0);
-    let mut group = c.benchmark_group("redis");
-    group.bench_function("begin_complete", |b| {
-        b.to_async(&rt).iter(|| async {
-            let req = request(&format!("order-{}", n.fetch_add(1, Ordering::Relaxed)));
-            let Ok(Begin::Acquired(lease)) = store.begin(&req).await else {
-                panic!("a fresh key is acquired");
-            };
-            store.complete(&lease, &resp, ttl).await.expect("complete");
-        })
-    });
-    let done = request("replayed");
-    rt.block_on(async {
-        let Ok(Begin::Acquired(lease)) = store.begin(&done).await else {
-            panic!("acquire");
-        };
-        store
-            .complete(&lease, &resp, Duration::from_secs(600))
-            .await
-            .expect("complete");
-    });
-    group.bench_function("replay", |b| {
-        b.to_async(&rt).iter(|| async {
-            let got = store.begin(&done).await.expect("begin");
-            assert!(matches!(got, Begin::Replay(_)));
-        })
-    });
-    group.finish();
+    // Records expire from the shared server within a minute (long enough for
+    // the replay measurement to find its record).
+    let done = begin_complete_and_replay(c, &rt, "redis", &store, Duration::from_secs(60));
     rt.block_on(async {
         store
             .delete(&done.scope, &done.key)

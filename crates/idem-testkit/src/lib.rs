@@ -40,6 +40,8 @@
 //! | [`engine_checks`] | [`Engine`](idem_core::Engine) over the store: once under concurrency (A1), release then retry (C1), cancellation with `Hold` and `Release`, failed saves hold the key, the watchdog, wait mode |
 //! | [`FaultyStore`] | a wrapper that makes `complete` / `release` fail on demand |
 
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod engine_checks;
 mod faulty;
 mod macros;
