@@ -2,11 +2,13 @@
 
 mod conn;
 mod keys;
+mod lock;
 mod notify;
 mod options;
 mod scripts;
 mod store;
 mod target;
 
+pub use lock::RedisLockBackend;
 pub use options::{RedisOptions, MAX_PREFIX_LEN};
 pub use store::RedisStore;

@@ -1,0 +1,467 @@
+//! The lock checks (CASES G) on the SQL backends against real servers:
+//! `LeaseLockBackend` on SQLite, PostgreSQL and MySQL/MariaDB, and
+//! `PgAdvisoryLockBackend` (session leases: a lapse is simulated with
+//! `pg_terminate_backend` of the holder's session). Plus backend-specific
+//! checks: no lock-holding connection goes back to the pool, table names
+//! are validated, two pools race, migrate twice.
+//!
+//! Servers: `IDEM_TEST_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`), `IDEM_TEST_MYSQL_URL`
+//! (default `mysql://root@127.0.0.1:3306/test`). Every check uses tables
+//! of its own (`idem_lk_<random>`), dropped when it ends. A server that is
+//! down fails the tests (never skips) with the command that starts it.
+//!
+//! `cargo test -p idem-sql --test lock_tests`
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idem_core::lock::{Acquire, Lock, LockBackend, LockError, LockLease, TryAcquire};
+use idem_sql::{LeaseLockBackend, PgAdvisoryLockBackend};
+use idem_testkit::lock_checks::{fresh_name, LockHarness};
+use idem_testkit::support::random_hex;
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{MySqlPool, PgPool};
+
+const START_PG: &str = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start";
+const START_MY: &str = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd";
+
+fn pg_url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn my_url() -> String {
+    std::env::var("IDEM_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+fn unreachable(what: &str, url: &str, e: &sqlx::Error, start: &str) -> ! {
+    panic!(
+        "{what} at {url} is not reachable or refused the connection ({e}).\n\
+         These tests need the real server. Start it with:\n    {start}\n\
+         (or point the URL variable at another server)"
+    )
+}
+
+async fn pg_pool() -> PgPool {
+    let url = pg_url();
+    PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| unreachable("PostgreSQL", &url, &e, START_PG))
+}
+
+async fn my_pool() -> MySqlPool {
+    let url = my_url();
+    MySqlPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| unreachable("MySQL/MariaDB", &url, &e, START_MY))
+}
+
+fn table_name() -> String {
+    format!("idem_lk_{}", random_hex(12))
+}
+
+/// Drops a per-check table when the check ends (on a thread with its own
+/// runtime: Drop is synchronous).
+struct DropTable {
+    url: String,
+    sql: String,
+    postgres: bool,
+}
+
+impl Drop for DropTable {
+    fn drop(&mut self) {
+        let (url, sql, postgres) = (self.url.clone(), self.sql.clone(), self.postgres);
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                use sqlx::Connection;
+                if postgres {
+                    if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
+                        let _ = sqlx::query(&sql).execute(&mut c).await;
+                    }
+                } else if let Ok(mut c) = sqlx::MySqlConnection::connect(&url).await {
+                    let _ = sqlx::query(&sql).execute(&mut c).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Time passes by sleeping: every SQL backend keeps time by its database.
+struct LeaseHarness {
+    backend: LeaseLockBackend,
+    _drop: Option<DropTable>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+#[async_trait]
+impl LockHarness for LeaseHarness {
+    type B = LeaseLockBackend;
+
+    fn backend(&self) -> LeaseLockBackend {
+        self.backend.clone()
+    }
+
+    async fn sleep(&self, d: Duration) {
+        tokio::time::sleep(d).await;
+    }
+}
+
+impl LeaseHarness {
+    async fn sqlite() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let opts = SqliteConnectOptions::new()
+            .filename(dir.path().join("locks.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(opts)
+            .await
+            .expect("open SQLite");
+        let backend = LeaseLockBackend::sqlite(pool)
+            .with_table(&table_name())
+            .expect("table name");
+        backend.migrate().await.expect("migrate");
+        Self {
+            backend,
+            _drop: None,
+            _dir: Some(dir),
+        }
+    }
+
+    async fn postgres() -> Self {
+        let table = table_name();
+        let backend = LeaseLockBackend::postgres(pg_pool().await)
+            .with_table(&table)
+            .expect("table name");
+        backend.migrate().await.expect("migrate");
+        Self {
+            backend,
+            _drop: Some(DropTable {
+                url: pg_url(),
+                sql: format!("DROP TABLE IF EXISTS \"{table}\""),
+                postgres: true,
+            }),
+            _dir: None,
+        }
+    }
+
+    async fn mysql() -> Self {
+        let table = table_name();
+        let backend = LeaseLockBackend::mysql(my_pool().await)
+            .with_table(&table)
+            .expect("table name");
+        backend.migrate().await.expect("migrate");
+        Self {
+            backend,
+            _drop: Some(DropTable {
+                url: my_url(),
+                sql: format!("DROP TABLE IF EXISTS `{table}`"),
+                postgres: false,
+            }),
+            _dir: None,
+        }
+    }
+}
+
+/// Advisory locks: a lapse is the holder's session being terminated.
+struct AdvisoryHarness {
+    backend: PgAdvisoryLockBackend,
+    pool: PgPool,
+    _drop: DropTable,
+}
+
+impl AdvisoryHarness {
+    async fn new() -> Self {
+        let table = table_name();
+        let pool = pg_pool().await;
+        let backend = PgAdvisoryLockBackend::new(pool.clone())
+            .with_table(&table)
+            .expect("table name");
+        backend.migrate().await.expect("migrate");
+        Self {
+            backend,
+            pool,
+            _drop: DropTable {
+                url: pg_url(),
+                sql: format!("DROP TABLE IF EXISTS \"{table}\""),
+                postgres: true,
+            },
+        }
+    }
+
+    /// Advisory locks held on `key` by any session (from `pg_locks`).
+    async fn holders(&self, key: i64) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+             AND objsubid = 1 AND classid = ($1::bigint)::oid AND objid = ($2::bigint)::oid",
+        )
+        .bind((key >> 32) & 0xffff_ffff)
+        .bind(key & 0xffff_ffff)
+        .fetch_one(&self.pool)
+        .await
+        .expect("pg_locks")
+    }
+}
+
+#[async_trait]
+impl LockHarness for AdvisoryHarness {
+    type B = PgAdvisoryLockBackend;
+
+    fn backend(&self) -> PgAdvisoryLockBackend {
+        self.backend.clone()
+    }
+
+    async fn sleep(&self, d: Duration) {
+        tokio::time::sleep(d).await;
+    }
+
+    fn session_scoped(&self) -> bool {
+        true
+    }
+
+    async fn kill_session(&self, lease: &LockLease) {
+        let pid = self
+            .backend
+            .session_pid(lease)
+            .expect("the backend holds this lease's session");
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&self.pool)
+            .await
+            .expect("pg_terminate_backend");
+        assert!(killed, "session {pid} was terminated");
+    }
+}
+
+mod sqlite_lease_tests {
+    use super::*;
+    idem_testkit::lock_tests!(
+        lock,
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)],
+        || async { LeaseHarness::sqlite().await }
+    );
+}
+
+mod postgres_lease_tests {
+    use super::*;
+    idem_testkit::lock_tests!(
+        lock,
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)],
+        || async { LeaseHarness::postgres().await }
+    );
+}
+
+mod mysql_lease_tests {
+    use super::*;
+    idem_testkit::lock_tests!(
+        lock,
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)],
+        || async { LeaseHarness::mysql().await }
+    );
+}
+
+mod pg_advisory_tests {
+    use super::*;
+    idem_testkit::lock_tests!(
+        lock,
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)],
+        || async { AdvisoryHarness::new().await }
+    );
+
+    /// Grants and busy answers never leave an advisory lock on a pooled
+    /// connection: after cancelled, busy, failed and released acquires,
+    /// no session holds the key and the backend holds no session.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_lock_left_on_pooled_connections() {
+        let h = AdvisoryHarness::new().await;
+        let lock = Lock::new(h.backend());
+        let name = fresh_name("pool");
+        let key = h.backend.advisory_key(&name);
+        for k in 0..10u64 {
+            let _ = tokio::time::timeout(
+                Duration::from_millis(k),
+                lock.try_acquire(&name, Duration::from_secs(60)),
+            )
+            .await;
+        }
+        let Acquire::Held(g) = lock
+            .acquire(&name, Duration::from_secs(60), Duration::from_secs(10))
+            .await
+            .expect("acquire")
+        else {
+            panic!("free after cancelled acquires")
+        };
+        assert_eq!(h.holders(key).await, 1);
+        // Busy attempts run on pooled connections and leave nothing behind.
+        for _ in 0..10 {
+            assert!(matches!(
+                lock.try_acquire(&name, Duration::from_secs(60))
+                    .await
+                    .expect("try"),
+                Acquire::Busy { .. }
+            ));
+        }
+        assert_eq!(h.holders(key).await, 1);
+        assert!(g.release().await.expect("release"));
+        assert_eq!(h.holders(key).await, 0);
+        assert_eq!(h.backend.held_sessions(), 0);
+        // Every pooled connection can take the lock now (none re-enters a
+        // lock it still holds).
+        let mut grants = Vec::new();
+        for _ in 0..3 {
+            match h
+                .backend
+                .try_acquire(&name, Duration::from_secs(60))
+                .await
+                .expect("acquire")
+            {
+                TryAcquire::Acquired(l) => grants.push(l),
+                TryAcquire::Busy { .. } => {}
+            }
+        }
+        assert_eq!(grants.len(), 1, "one grant while it is held");
+        assert!(h.backend.release(&grants[0]).await.expect("release"));
+        assert_eq!(h.holders(key).await, 0);
+    }
+
+    /// A session-scoped lease outlives its TTL while the session lives (no
+    /// expiry), and `lost()` stays quiet; only release frees it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn session_lease_does_not_expire_by_ttl() {
+        let h = AdvisoryHarness::new().await;
+        let b = h.backend();
+        let name = fresh_name("session");
+        let TryAcquire::Acquired(a) = b
+            .try_acquire(&name, Duration::from_millis(300))
+            .await
+            .expect("acquire")
+        else {
+            panic!("fresh name")
+        };
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        assert!(matches!(
+            b.try_acquire(&name, Duration::from_millis(300))
+                .await
+                .expect("try"),
+            TryAcquire::Busy { .. }
+        ));
+        assert!(b
+            .extend(&a, Duration::from_millis(300))
+            .await
+            .expect("extend")
+            .is_some());
+        assert!(b.release(&a).await.expect("release"));
+        assert!(!b.release(&a).await.expect("release"));
+    }
+}
+
+mod config_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn table_names_are_validated() {
+        let pool = sqlx::SqlitePool::connect("sqlite::memory:")
+            .await
+            .expect("sqlite");
+        for bad in [
+            "",
+            "1x",
+            "a-b",
+            "a;drop table x",
+            "a\"b",
+            "a.b",
+            &"t".repeat(55),
+        ] {
+            assert!(
+                matches!(
+                    LeaseLockBackend::sqlite(pool.clone()).with_table(bad),
+                    Err(LockError::Config(_))
+                ),
+                "{bad:?}"
+            );
+        }
+        let b = LeaseLockBackend::sqlite(pool)
+            .with_table("my_locks")
+            .expect("plain identifier");
+        assert_eq!(b.table(), "my_locks");
+        b.migrate().await.expect("migrate");
+        b.migrate().await.expect("migrate twice");
+    }
+
+    /// Two pools (two "processes") race for one name on each server:
+    /// exactly one grant.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_pools_one_winner() {
+        for (h, other) in [
+            (
+                LeaseHarness::postgres().await,
+                LeaseLockBackend::postgres(pg_pool().await),
+            ),
+            (
+                LeaseHarness::mysql().await,
+                LeaseLockBackend::mysql(my_pool().await),
+            ),
+        ] {
+            let other = other.with_table(h.backend().table()).expect("table");
+            let name = fresh_name("two-pools");
+            let tasks: Vec<_> = (0..12)
+                .map(|i| {
+                    let b = if i % 2 == 0 {
+                        h.backend()
+                    } else {
+                        other.clone()
+                    };
+                    let name = name.clone();
+                    tokio::spawn(async move { b.try_acquire(&name, Duration::from_secs(60)).await })
+                })
+                .collect();
+            let mut won = 0;
+            for t in tasks {
+                if let TryAcquire::Acquired(_) = t.await.expect("task").expect("try_acquire") {
+                    won += 1;
+                }
+            }
+            assert_eq!(won, 1);
+        }
+    }
+
+    /// The database's clock decides: a lease's `until` is near the
+    /// database's now + TTL.
+    #[tokio::test]
+    async fn until_is_database_time() {
+        let h = LeaseHarness::postgres().await;
+        let b = h.backend();
+        let TryAcquire::Acquired(l) = b
+            .try_acquire(&fresh_name("clock"), Duration::from_secs(10))
+            .await
+            .expect("acquire")
+        else {
+            panic!("fresh name")
+        };
+        let now: i64 = sqlx::query_scalar(
+            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+        )
+        .fetch_one(&pg_pool().await)
+        .await
+        .expect("now");
+        let until = i64::try_from(l.until.0).expect("until");
+        assert!((until - now - 10_000).abs() < 5_000, "{until} vs {now}");
+    }
+}
