@@ -1,0 +1,146 @@
+//! [`PatternError`] and the mapping of driver errors by code.
+
+use super::conn::Dialect;
+
+/// Why a pattern could not give an answer.
+///
+/// Refusals are not errors: a lost race is [`Transition::Conflict`](super::Transition::Conflict),
+/// [`VersionedUpdate::Stale`](super::VersionedUpdate::Stale), a duplicate key is
+/// [`Created { inserted: false, .. }`](super::Created). Errors are kept for
+/// bad input and for what the database refused. The driver's error is kept
+/// as the [`source`](std::error::Error::source). Codes are told apart by
+/// number (SQLSTATE, MySQL error number, SQLite extended result code),
+/// never by message text.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PatternError {
+    /// A table or column name is not `[A-Za-z_][A-Za-z0-9_]{0,62}` (a table
+    /// may be `schema.table`, each part checked). Nothing was sent.
+    #[error(
+        "{what} {name:?} is not a plain identifier: use 1 to 63 characters of [A-Za-z0-9_], \
+         not starting with a digit{}",
+        if *what == "table" { " (optionally schema.table)" } else { "" }
+    )]
+    InvalidIdentifier {
+        /// `"table"` or `"column"`.
+        what: &'static str,
+        /// The name as given.
+        name: String,
+    },
+    /// An argument other than a name is unusable (an empty `from` set, a
+    /// `NULL` id or key, a column set twice, the state / version / key
+    /// column in `set`). Nothing was sent.
+    #[error("invalid argument: {detail}")]
+    InvalidArgument {
+        /// What is wrong.
+        detail: String,
+    },
+    /// The database rolled the transaction back, or refused it, to keep it
+    /// serializable: PostgreSQL SQLSTATE `40001` (a `REPEATABLE READ` /
+    /// `SERIALIZABLE` transaction touched a row changed since its snapshot)
+    /// or `40P01` (deadlock), MySQL / MariaDB error 1213 (deadlock; the
+    /// whole transaction was rolled back), SQLite `SQLITE_BUSY_SNAPSHOT`
+    /// (517: a read transaction's snapshot is stale and cannot write).
+    /// Retryable: roll back and run the whole transaction again.
+    #[error("serialization failure: the transaction must be rolled back and retried")]
+    SerializationFailure {
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// A lock was not granted in time: SQLite `SQLITE_BUSY` / `SQLITE_LOCKED`
+    /// (after the connection's busy timeout, 5 s by default in sqlx), MySQL
+    /// 1205 (`innodb_lock_wait_timeout`), PostgreSQL `55P03`
+    /// (`lock_timeout`). Retryable: the statement changed nothing (on MySQL
+    /// the transaction is still open unless `innodb_rollback_on_timeout`).
+    #[error("busy: a lock was not granted in time")]
+    Busy {
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// A unique constraint other than the one the pattern handles was
+    /// violated (PostgreSQL `23505`, MySQL 1062, SQLite 2067 / 1555).
+    #[error("unique constraint violated")]
+    UniqueViolation {
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// A column read back has a type the pattern cannot represent, or a
+    /// value it cannot accept (a `NULL` state, a version that is not an
+    /// integer).
+    #[error("unexpected column value: {detail}")]
+    Decode {
+        /// What was found.
+        detail: String,
+    },
+    /// A key kept vanishing between the insert that found it and the read
+    /// that looked for it (it was deleted each time), after the bounded
+    /// number of attempts.
+    #[error("the row for the key vanished {attempts} times between insert and read")]
+    Contended {
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// Any other database error.
+    #[error("database error")]
+    Database {
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+impl PatternError {
+    /// `true` when running the same call again (after rolling back the
+    /// caller's transaction, for [`PatternError::SerializationFailure`]) may
+    /// succeed: serialization failures, busy locks, contention.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::SerializationFailure { .. } | Self::Busy { .. } | Self::Contended { .. }
+        )
+    }
+}
+
+/// Maps a driver error by code (never by message text).
+pub(crate) fn classify(dialect: Dialect, source: sqlx::Error) -> PatternError {
+    let sqlx::Error::Database(db) = &source else {
+        return PatternError::Database { source };
+    };
+    let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+    match dialect {
+        Dialect::Sqlite => match code.parse::<i32>().unwrap_or(0) {
+            // SQLITE_BUSY_SNAPSHOT.
+            517 => PatternError::SerializationFailure { source },
+            // SQLITE_CONSTRAINT_UNIQUE, SQLITE_CONSTRAINT_PRIMARYKEY.
+            2067 | 1555 => PatternError::UniqueViolation { source },
+            // SQLITE_BUSY (5) and SQLITE_LOCKED (6) with their extended codes.
+            c if c & 0xff == 5 || c & 0xff == 6 => PatternError::Busy { source },
+            _ => PatternError::Database { source },
+        },
+        #[cfg(feature = "postgres")]
+        Dialect::Postgres => match code.as_str() {
+            "40001" | "40P01" => PatternError::SerializationFailure { source },
+            "23505" => PatternError::UniqueViolation { source },
+            "55P03" => PatternError::Busy { source },
+            _ => PatternError::Database { source },
+        },
+        #[cfg(feature = "mysql")]
+        Dialect::MySql => {
+            let number = db
+                .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                .map(sqlx::mysql::MySqlDatabaseError::number);
+            match number {
+                // ER_LOCK_DEADLOCK.
+                Some(1213) => PatternError::SerializationFailure { source },
+                // ER_DUP_ENTRY.
+                Some(1062) => PatternError::UniqueViolation { source },
+                // ER_LOCK_WAIT_TIMEOUT.
+                Some(1205) => PatternError::Busy { source },
+                _ => PatternError::Database { source },
+            }
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Validated table and column names, quoted per dialect.
+
+use super::conn::Dialect;
+use super::error::PatternError;
+
+/// Longest identifier part accepted (PostgreSQL's `NAMEDATALEN - 1`; MySQL
+/// allows 64, SQLite more).
+pub(crate) const MAX_IDENT_LEN: usize = 63;
+
+fn is_ident(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && name.len() <= MAX_IDENT_LEN
+}
+
+fn quote(dialect: Dialect, part: &str) -> String {
+    // `part` passed `is_ident`: no quote character can occur in it.
+    match dialect {
+        #[cfg(feature = "mysql")]
+        Dialect::MySql => format!("`{part}`"),
+        _ => format!("\"{part}\""),
+    }
+}
+
+/// A column name: `[A-Za-z_][A-Za-z0-9_]{0,62}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Column(String);
+
+impl Column {
+    pub(crate) fn parse(name: &str) -> Result<Self, PatternError> {
+        if is_ident(name) {
+            Ok(Self(name.to_owned()))
+        } else {
+            Err(PatternError::InvalidIdentifier {
+                what: "column",
+                name: name.to_owned(),
+            })
+        }
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.0
+    }
+
+    pub(crate) fn quoted(&self, dialect: Dialect) -> String {
+        quote(dialect, &self.0)
+    }
+}
+
+/// A table name, `table` or `schema.table`, each part an identifier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Table {
+    schema: Option<String>,
+    name: String,
+}
+
+impl Table {
+    pub(crate) fn parse(name: &str) -> Result<Self, PatternError> {
+        let bad = || PatternError::InvalidIdentifier {
+            what: "table",
+            name: name.to_owned(),
+        };
+        let mut parts = name.split('.');
+        let (first, second) = (parts.next(), parts.next());
+        if parts.next().is_some() {
+            return Err(bad());
+        }
+        let (schema, table) = match (first, second) {
+            (Some(t), None) => (None, t),
+            (Some(s), Some(t)) => (Some(s), t),
+            _ => return Err(bad()),
+        };
+        if !is_ident(table) || schema.is_some_and(|s| !is_ident(s)) {
+            return Err(bad());
+        }
+        Ok(Self {
+            schema: schema.map(str::to_owned),
+            name: table.to_owned(),
+        })
+    }
+
+    pub(crate) fn quoted(&self, dialect: Dialect) -> String {
+        match &self.schema {
+            Some(s) => format!("{}.{}", quote(dialect, s), quote(dialect, &self.name)),
+            None => quote(dialect, &self.name),
+        }
+    }
+}
+
+/// Checks the `set` list of an update or insert: valid, distinct names, none
+/// of them in `reserved` (the columns the pattern writes itself).
+pub(crate) fn columns(
+    set: &[(&str, super::SqlValue)],
+    reserved: &[(&Column, &str)],
+) -> Result<Vec<Column>, PatternError> {
+    let mut out: Vec<Column> = Vec::with_capacity(set.len());
+    for (name, _) in set {
+        let c = Column::parse(name)?;
+        if let Some((_, role)) = reserved.iter().find(|(r, _)| r.name() == c.name()) {
+            return Err(PatternError::InvalidArgument {
+                detail: format!("column {name:?} is the {role} column; the pattern sets it"),
+            });
+        }
+        if out.iter().any(|o| o.name() == c.name()) {
+            return Err(PatternError::InvalidArgument {
+                detail: format!("column {name:?} appears twice"),
+            });
+        }
+        out.push(c);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(Column::parse("state").is_ok());
+        assert!(Column::parse("_x9").is_ok());
+        assert!(Column::parse(&"a".repeat(63)).is_ok());
+        for bad in ["", "a;drop", "9a", "a b", "a\"b", "a`b", "a'b", "é", "a.b"] {
+            assert!(Column::parse(bad).is_err(), "{bad:?}");
+        }
+        assert!(Column::parse(&"a".repeat(64)).is_err());
+        assert!(Table::parse("s.t").is_ok());
+        for bad in ["", ".", "s.", ".t", "a.b.c", "s.t;", "s . t"] {
+            assert!(Table::parse(bad).is_err(), "{bad:?}");
+        }
+        let t = Table::parse("s.t").unwrap();
+        assert_eq!(t.quoted(Dialect::Sqlite), "\"s\".\"t\"");
+    }
+}

@@ -1,0 +1,49 @@
+//! A tiny statement builder: placeholders per dialect, values bound.
+
+use super::conn::Dialect;
+use super::SqlValue;
+
+/// SQL text with its bound values. Names go in through
+/// [`Column::quoted`](super::ident::Column::quoted) and
+/// [`Table::quoted`](super::ident::Table::quoted) only (validated first).
+#[derive(Debug)]
+pub(crate) struct Sql {
+    dialect: Dialect,
+    pub(crate) text: String,
+    pub(crate) args: Vec<SqlValue>,
+}
+
+impl Sql {
+    pub(crate) fn new(dialect: Dialect) -> Self {
+        Self {
+            dialect,
+            text: String::with_capacity(128),
+            args: Vec::new(),
+        }
+    }
+
+    /// Appends fixed SQL text (never user input).
+    pub(crate) fn push(&mut self, text: &str) -> &mut Self {
+        self.text.push_str(text);
+        self
+    }
+
+    /// Appends a placeholder bound to `value`; `NULL` is written as the
+    /// literal (untyped, so it fits any column on PostgreSQL).
+    pub(crate) fn bind(&mut self, value: SqlValue) -> &mut Self {
+        if value.is_null() {
+            self.text.push_str("NULL");
+            return self;
+        }
+        self.args.push(value);
+        match self.dialect {
+            #[cfg(feature = "postgres")]
+            Dialect::Postgres => {
+                self.text.push('$');
+                self.text.push_str(&self.args.len().to_string());
+            }
+            _ => self.text.push('?'),
+        }
+        self
+    }
+}

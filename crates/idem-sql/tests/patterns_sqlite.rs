@@ -1,0 +1,215 @@
+//! `idem_sql::patterns` on SQLite (a WAL file shared by a pool of
+//! connections, so races are real).
+
+mod patterns_common;
+
+use std::str::FromStr;
+
+use async_trait::async_trait;
+use idem_sql::patterns::{InsertOrGet, PatternError, StateMachine, Transition};
+use patterns_common::{self as pc, Backend};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{Connection, SqlitePool};
+
+struct Sqlite {
+    pool: SqlitePool,
+    _dir: tempfile::TempDir,
+}
+
+#[async_trait]
+impl Backend for Sqlite {
+    type Db = sqlx::Sqlite;
+    type Conn = sqlx::SqliteConnection;
+    fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+    fn auto_id(&self) -> &'static str {
+        "INTEGER PRIMARY KEY"
+    }
+    fn prefix(&self) -> String {
+        String::new()
+    }
+    async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(sql).execute(&self.pool).await.expect(sql);
+    }
+    async fn text(&self, sql: &str) -> Option<String> {
+        sqlx::query_scalar::<_, Option<String>>(sql)
+            .fetch_optional(&self.pool)
+            .await
+            .expect(sql)
+            .flatten()
+    }
+    async fn int(&self, sql: &str) -> i64 {
+        sqlx::query_scalar::<_, i64>(sql)
+            .fetch_one(&self.pool)
+            .await
+            .expect(sql)
+    }
+}
+
+async fn sqlite() -> Sqlite {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("sqlite://{}", dir.path().join("p.db").display());
+    let opts = SqliteConnectOptions::from_str(&url)
+        .expect("url")
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(std::time::Duration::from_secs(30));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(20)
+        .connect_with(opts)
+        .await
+        .expect("open sqlite");
+    Sqlite { pool, _dir: dir }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn i2_concurrent_transitions_one_winner() {
+    pc::i2_race(&sqlite().await).await;
+}
+
+#[tokio::test]
+async fn transition_answers() {
+    pc::transition_answers(&sqlite().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn versioned_updates() {
+    pc::versioned(&sqlite().await).await;
+}
+
+#[tokio::test]
+async fn insert_or_get_basics() {
+    pc::insert_or_get_basics(&sqlite().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn insert_or_get_16_connections() {
+    pc::insert_or_get_race(&sqlite().await, |_, _| async { None }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn insert_or_get_16_transactions() {
+    // Deferred transactions, opened before the start line (an IMMEDIATE
+    // one would take the write lock there, before its task runs); with no
+    // read before the insert, no snapshot can go stale.
+    pc::insert_or_get_race(&sqlite().await, |pool, _| async move {
+        Some(pool.begin().await.expect("begin"))
+    })
+    .await;
+}
+
+#[test]
+fn bad_identifiers() {
+    pc::bad_identifiers();
+}
+
+#[tokio::test]
+async fn bad_set_columns() {
+    pc::bad_set_columns(&sqlite().await).await;
+}
+
+/// A read transaction whose snapshot went stale cannot write: the
+/// transition is refused with the typed retryable error, never a wrong
+/// answer.
+#[tokio::test]
+async fn stale_read_snapshot_is_a_serialization_failure() {
+    let b = sqlite().await;
+    let t = pc::state_table(&b, 1).await;
+    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let mut reader = b.pool.acquire().await.unwrap();
+    let mut tx = reader.begin().await.unwrap();
+    let seen: String = sqlx::query_scalar(&format!("SELECT state FROM {t} WHERE id = 0"))
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(seen, "pending");
+    let mut other = b.pool.acquire().await.unwrap();
+    assert_eq!(
+        sm.transition(&mut *other, 0, &["pending"], "completed")
+            .await
+            .unwrap(),
+        Transition::Transitioned
+    );
+    match sm.transition(&mut *tx, 0, &["pending"], "cancelled").await {
+        Err(e @ PatternError::SerializationFailure { .. }) => assert!(e.is_retryable()),
+        other => panic!("expected SerializationFailure, got {other:?}"),
+    }
+    tx.rollback().await.unwrap();
+    // Retried in a fresh transaction: the current state.
+    let mut tx = reader.begin().await.unwrap();
+    assert_eq!(
+        sm.transition(&mut *tx, 0, &["pending"], "cancelled")
+            .await
+            .unwrap(),
+        Transition::Conflict("completed".into())
+    );
+    tx.commit().await.unwrap();
+}
+
+/// Text ids and keys, and a `main.` schema prefix.
+#[tokio::test]
+async fn text_ids_and_schema_prefix() {
+    let b = sqlite().await;
+    b.exec("CREATE TABLE tx_ids (id TEXT PRIMARY KEY, k TEXT UNIQUE NOT NULL, state TEXT)")
+        .await;
+    let iog = InsertOrGet::new("main.tx_ids", "id", "k").unwrap();
+    let mut c = b.pool.acquire().await.unwrap();
+    let made = iog
+        .insert_or_get(
+            &mut *c,
+            "k1",
+            &[("id", "ü-1".into()), ("state", "new".into())],
+        )
+        .await
+        .unwrap();
+    assert_eq!((made.id.as_str(), made.inserted), (Some("ü-1"), true));
+    let again = iog
+        .insert_or_get(&mut *c, "k1", &[("id", "other".into())])
+        .await
+        .unwrap();
+    assert_eq!((again.id.as_str(), again.inserted), (Some("ü-1"), false));
+    let sm = StateMachine::new("main.tx_ids", "id", "state").unwrap();
+    assert_eq!(
+        sm.transition(&mut *c, "ü-1", &["new"], "done")
+            .await
+            .unwrap(),
+        Transition::Transitioned
+    );
+}
+
+/// Another connection holds the write lock past the busy timeout: `Busy`
+/// (retryable), nothing written; once it commits, the call succeeds.
+#[tokio::test]
+async fn busy_writer_is_a_typed_retryable_error() {
+    let b = sqlite().await;
+    let t = pc::keyed_table(&b).await;
+    let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
+    let mut holder = b.pool.acquire().await.unwrap();
+    let tx = holder.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let mut impatient = sqlx::SqliteConnection::connect_with(
+        &b.pool
+            .connect_options()
+            .as_ref()
+            .clone()
+            .busy_timeout(std::time::Duration::from_millis(200)),
+    )
+    .await
+    .unwrap();
+    match iog.insert_or_get(&mut impatient, "k", &[]).await {
+        Err(e @ PatternError::Busy { .. }) => assert!(e.is_retryable()),
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    let sm = StateMachine::new(&t, "id", "note").unwrap();
+    match sm.transition(&mut impatient, 1, &["a"], "b").await {
+        Err(PatternError::Busy { .. }) => {}
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    tx.commit().await.unwrap();
+    assert!(
+        iog.insert_or_get(&mut impatient, "k", &[])
+            .await
+            .unwrap()
+            .inserted
+    );
+}
