@@ -1,5 +1,6 @@
-//! `idem demo --no-serve`: the showcase runs, reports one charge for 20
-//! concurrent duplicates, and exits.
+//! `idem demo --no-serve`: the showcase runs the orders example behind the
+//! gateway: a lost provider answer and a retry make one charge, 20
+//! concurrent duplicates make one charge, and the demo exits.
 
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -36,7 +37,7 @@ fn run_idem(dir: &std::path::Path, args: &[&str], limit: Duration) -> Output {
 }
 
 #[test]
-fn demo_shows_one_charge_for_twenty_concurrent_duplicates() {
+fn demo_walks_the_lost_response_story_and_charges_once() {
     let dir = tempfile::tempdir().expect("temp dir");
     let out = run_idem(
         dir.path(),
@@ -51,9 +52,20 @@ fn demo_shows_one_charge_for_twenty_concurrent_duplicates() {
         out.status
     );
     assert!(
-        stdout.contains("The payment service ran the charge 1 time for 20 concurrent requests."),
+        stdout.contains(" 1 time for 20 concurrent requests (order PAID)."),
         "the demo did not report 1 charge for 20 requests:\n{stdout}"
     );
+    // The story: 504 with the provider's answer lost, then the retry: PAID,
+    // one charge.
+    assert!(
+        stdout.contains("504 Gateway Timeout, urn:orders:problem:payment-outcome-unknown"),
+        "no lost answer shown:\n{stdout}"
+    );
+    assert!(
+        stdout.contains("200 OK, order PAID\n") && stdout.contains("is PAID, 1 charge:"),
+        "the retry was not shown as PAID with one charge:\n{stdout}"
+    );
+    assert!(stdout.contains("Result: order "), "{stdout}");
     assert!(
         stdout.contains("Idempotent-Replayed: true"),
         "no replay shown:\n{stdout}"
@@ -83,6 +95,8 @@ fn a_second_demo_run_uses_a_fresh_key_and_still_charges_once() {
                 "127.0.0.1:0",
                 "--requests",
                 "5",
+                "--database",
+                "sqlite://orders.db",
             ],
             Duration::from_secs(60),
         );
@@ -93,9 +107,12 @@ fn a_second_demo_run_uses_a_fresh_key_and_still_charges_once() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(
-            stdout.contains("The payment service ran the charge 1 time for 5 concurrent requests."),
+            stdout.contains(" 1 time for 5 concurrent requests (order PAID)."),
             "{stdout}"
         );
+        // --database puts the orders service's tables where it says; the
+        // second run shares them (fresh order numbers each run).
+        assert!(dir.path().join("orders.db").exists(), "{stdout}");
     }
 }
 

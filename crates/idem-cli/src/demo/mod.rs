@@ -1,7 +1,7 @@
-//! `idem demo`: a sample payment service with an idem gateway in front of
-//! it, and a showcase that fires concurrent duplicates through the gateway.
-
-mod service;
+//! `idem demo`: the example orders service (`examples/orders`: idempotency
+//! key, fenced lock, database constraints) with an idem gateway in front of
+//! it, and a showcase that walks the lost-response story and fires
+//! concurrent duplicates through the gateway.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -13,11 +13,14 @@ use std::time::Duration;
 use axum::body::Bytes;
 use clap::Parser;
 use idem_gateway::{Gateway, GatewayArgs};
+use serde_json::Value;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use self::service::{Payments, CHARGE_TIME};
+use self::service::Payments;
 use crate::chain;
+
+mod service;
 
 /// Writes a line to stdout; a closed stdout (e.g. `| head`) is not a panic.
 macro_rules! say {
@@ -30,25 +33,36 @@ macro_rules! say {
 
 /// `idem demo --help` text.
 pub(crate) const LONG_ABOUT: &str = "\
-Start a sample payment service and an idem gateway in front of it, both on
-127.0.0.1, and show the guarantee: fire 20 concurrent copies of one payment
-request (same Idempotency-Key, same body) through the gateway and count how
-many charges the service ran (1), how the other copies were answered, and what
-a retry after completion gets (the stored response, replayed).
+Start the example orders service (examples/orders) and an idem gateway in
+front of it, both on 127.0.0.1, and walk the story that idem exists for:
+
+  1. create an order;
+  2. pay it while the payment provider's answer gets lost (the provider
+     charged, the service times out and answers 504);
+  3. retry the same request: the service resumes the attempt with the same
+     provider key, finds the charge and answers PAID: one charge;
+  4. fire N concurrent copies of one pay request (same Idempotency-Key) for
+     another order: one charge; the copies get the stored answer or a 409;
+  5. reuse the key for another request: 422.
+
+The service guards each pay with three layers: the Idempotency-Key (its own
+idem layer, behind the gateway's), a per-order lock with fencing tokens, and
+database constraints with compare-and-set transitions.
+
+The service also has a naive POST /payments endpoint that knows nothing
+about idempotency (every call is a new charge; GET /payments/stats counts
+them): only the gateway protects it.
 
 Then it keeps serving until Ctrl-C and prints curl lines to try by hand. The
 gateway keeps its records in ./idem-demo.db (SQLite) unless --store says
-otherwise; each run uses fresh random keys. The demo's gateway also honours
-the IDEM_* variables of `idem gateway` (e.g. IDEM_WAIT=5s) except the listen
-address, upstream and store, which the demo sets.";
+otherwise; the orders service uses a temporary SQLite file unless --database
+says otherwise. Each run uses fresh order numbers and keys. The demo's
+gateway also honours the IDEM_* variables of `idem gateway` (e.g.
+IDEM_WAIT=5s) except the listen address, upstream and store, which the demo
+sets.";
 
 /// Default gateway address when `--listen` is not given (if it is free).
 const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000);
-
-/// The body of the showcase's payment request.
-const SHOWCASE_BODY: &str = r#"{"amount_cents":1999,"currency":"EUR"}"#;
-/// The same key with another body (must be refused with 422).
-const OTHER_BODY: &str = r#"{"amount_cents":2999,"currency":"EUR"}"#;
 
 /// Flags of `idem demo`.
 #[derive(Debug, clap::Args)]
@@ -58,7 +72,7 @@ pub(crate) struct DemoArgs {
     #[arg(long, value_name = "ADDR")]
     listen: Option<SocketAddr>,
 
-    /// Address of the sample payment service (port 0: a free port).
+    /// Address of the orders service (port 0: a free port).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:0")]
     service_listen: SocketAddr,
 
@@ -66,7 +80,12 @@ pub(crate) struct DemoArgs {
     #[arg(long, value_name = "URL", default_value = "sqlite://idem-demo.db")]
     store: String,
 
-    /// How many concurrent copies of the payment request the showcase sends.
+    /// The orders service's database: sqlite://FILE or postgres://… [default:
+    /// a temporary SQLite file, removed at exit].
+    #[arg(long, value_name = "URL")]
+    database: Option<String>,
+
+    /// How many concurrent copies of the pay request the showcase sends.
     #[arg(
         long,
         value_name = "N",
@@ -125,25 +144,45 @@ async fn run_inner(args: DemoArgs) -> Result<bool, String> {
         }
     });
 
-    // 1. The payment service.
-    let payments = Arc::new(Payments::default());
+    // 1. The orders service, on its own database.
+    let (database, _temp_dir) = match &args.database {
+        Some(url) => (url.clone(), None),
+        None => {
+            let dir = tempfile::Builder::new()
+                .prefix("idem-demo-orders-")
+                .tempdir()
+                .map_err(|e| {
+                    format!("cannot create a temporary folder for the orders database: {e}")
+                })?;
+            let url = format!("sqlite://{}", dir.path().join("orders.db").display());
+            (url, Some(dir))
+        }
+    };
+    let app = orders::App::connect(orders::Config::new(database.clone()))
+        .await
+        .map_err(|e| format!("cannot start the orders service on {database}: {e}"))?;
     let service_listener = tokio::net::TcpListener::bind(args.service_listen)
         .await
         .map_err(|e| {
             format!(
-                "cannot listen on {} for the payment service: {e}",
+                "cannot listen on {} for the orders service: {e}",
                 args.service_listen
             )
         })?;
     let service_addr = service_listener
         .local_addr()
-        .map_err(|e| format!("payment service address: {e}"))?;
+        .map_err(|e| format!("orders service address: {e}"))?;
     let service_url = format!("http://{}", reachable(service_addr));
     let service_task: JoinHandle<std::io::Result<()>> = {
-        let app = service::router(payments.clone());
+        // The orders routes, plus the naive `/payments` endpoint that only
+        // the gateway protects (kept for contrast and for the end-to-end
+        // client in tests/e2e).
+        let router = app
+            .router()
+            .merge(service::router(Arc::new(Payments::default())));
         let stopped = stop.clone().cancelled_owned();
         tokio::spawn(async move {
-            axum::serve(service_listener, app)
+            axum::serve(service_listener, router)
                 .with_graceful_shutdown(stopped)
                 .await
         })
@@ -181,41 +220,45 @@ async fn run_inner(args: DemoArgs) -> Result<bool, String> {
     let gateway_url = format!("http://{}", reachable(gateway.local_addr()));
     let gateway_task = tokio::spawn(gateway.serve(stop.clone().cancelled_owned()));
 
-    say!("idem demo: a sample payment service with an idem gateway in front of it");
+    say!("idem demo: the orders example service with an idem gateway in front of it");
     say!();
     say!("  gateway   {gateway_url}   <- send requests here (idem, in front of the service)");
     if let Some(note) = &port_note {
         say!("            {note}");
     }
-    say!("  service   {service_url}   (the payment service itself, unprotected)");
-    say!("  stats     {service_url}/payments/stats   (how many charges the service ran)");
-    say!("  store     {}", args.store);
+    say!("  service   {service_url}   (the orders service itself)");
+    say!("  stats     {service_url}/payments/stats   (charges of the naive /payments endpoint, which only the gateway protects)");
+    say!("  store     {}   (the gateway's records)", args.store);
+    say!("  database  {database}   (orders, the provider's ledger, the service's keys and locks)");
     say!();
     say!(
-        "The payment service knows nothing about idempotency: every POST /payments it gets is a new\n\
-         charge, and each takes {} ms. The gateway is what stops duplicates.",
-        CHARGE_TIME.as_millis()
+        "The orders service pays an order through a simulated payment provider. It guards every pay\n\
+         with an Idempotency-Key layer, a per-order lock with fencing tokens and database constraints;\n\
+         the provider charges at most once per provider key (order-ID-attempt-N). The request header\n\
+         X-Simulate: fail | slow | lose-response makes the provider decline, take 1.5 s, or lose its answer."
     );
 
     let mut ok = true;
     if !args.no_showcase {
         say!();
         tokio::select! {
-            r = showcase(&gateway_url, &payments, args.requests) => ok = r,
+            r = showcase(&gateway_url, args.requests) => ok = r,
             () = stop.cancelled() => say!("Interrupted."),
         }
     }
 
     if !args.no_serve && !stop.is_cancelled() {
-        print_try_it(&gateway_url, &service_url);
+        print_try_it(&gateway_url);
         say!();
         say!("Serving. Press Ctrl-C to stop.");
         stop.cancelled().await;
         say!("Stopping...");
     }
     stop.cancel();
-    join("payment service", service_task).await;
+    join("orders service", service_task).await;
     join("gateway", gateway_task).await;
+    app.tracker().close();
+    let _ = tokio::time::timeout(Duration::from_secs(10), app.tracker().wait()).await;
     Ok(ok)
 }
 
@@ -253,22 +296,50 @@ struct Reply {
 }
 
 impl Reply {
-    fn payment_id(&self) -> Option<String> {
-        let v: serde_json::Value = serde_json::from_slice(&self.body).ok()?;
-        v.get("payment_id")?.as_str().map(str::to_owned)
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    fn order_status(&self) -> String {
+        self.json()
+            .get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    }
+
+    /// `504 Gateway Timeout, urn:…` / `200 OK, PAID` / `… Idempotent-Replayed: true`.
+    fn summary(&self) -> String {
+        let mut s = status_text(self.status);
+        if let Some(t) = &self.problem_type {
+            s.push_str(&format!(", {t}"));
+        } else if self.status.is_success() {
+            let st = self.order_status();
+            if !st.is_empty() {
+                s.push_str(&format!(", order {st}"));
+            }
+        }
+        if self.replayed {
+            s.push_str(", Idempotent-Replayed: true");
+        }
+        s
     }
 
     /// What this answer was and what it means, for the tally.
     fn meaning(&self) -> (String, String) {
         let status = status_text(self.status);
-        if self.status.is_success() || self.status.is_redirection() {
+        if self.status.is_success() {
+            let st = self.order_status();
             return if self.replayed {
                 (
-                    format!("{status}, Idempotent-Replayed: true"),
+                    format!("{status} {st}, Idempotent-Replayed: true"),
                     "a replay: the original's stored response".to_owned(),
                 )
             } else {
-                (status, "the original: this copy ran the charge".to_owned())
+                (
+                    format!("{status} {st}"),
+                    "the original: this copy ran the payment".to_owned(),
+                )
             };
         }
         if self.status == reqwest::StatusCode::CONFLICT {
@@ -288,19 +359,30 @@ fn status_text(s: reqwest::StatusCode) -> String {
         .to_owned()
 }
 
-async fn send(
-    client: &reqwest::Client,
-    url: &str,
-    key: &str,
-    body: &'static str,
-) -> Result<Reply, reqwest::Error> {
-    let resp = client
-        .post(url)
-        .header("Idempotency-Key", key)
-        .header("Content-Type", "application/json")
-        .body(body)
-        .send()
-        .await?;
+/// One request through the gateway.
+#[derive(Debug, Clone, Default)]
+struct Call {
+    method: reqwest::Method,
+    url: String,
+    key: Option<String>,
+    simulate: Option<&'static str>,
+    body: Option<String>,
+}
+
+async fn send(client: &reqwest::Client, call: &Call) -> Result<Reply, reqwest::Error> {
+    let mut req = client.request(call.method.clone(), &call.url);
+    if let Some(key) = &call.key {
+        req = req.header("Idempotency-Key", key);
+    }
+    if let Some(sim) = call.simulate {
+        req = req.header("X-Simulate", sim);
+    }
+    if let Some(body) = &call.body {
+        req = req
+            .header("Content-Type", "application/json")
+            .body(body.clone());
+    }
+    let resp = req.send().await?;
     let header = |name: &str| {
         resp.headers()
             .get(name)
@@ -314,7 +396,7 @@ async fn send(
     let status = resp.status();
     let body = resp.bytes().await?;
     let problem_type = if is_problem {
-        serde_json::from_slice::<serde_json::Value>(&body)
+        serde_json::from_slice::<Value>(&body)
             .ok()
             .and_then(|v| v.get("type")?.as_str().map(str::to_owned))
     } else {
@@ -329,41 +411,165 @@ async fn send(
     })
 }
 
-/// Fires `n` concurrent duplicates, a retry after completion and a
-/// mismatching request, and tells what happened. Returns whether the
-/// guarantee held.
-async fn showcase(gateway_url: &str, payments: &Payments, n: u32) -> bool {
-    let client = match reqwest::Client::builder()
+/// The showcase's client and the gateway's address.
+struct Walk {
+    client: reqwest::Client,
+    base: String,
+}
+
+impl Walk {
+    async fn send(&self, call: &Call) -> Result<Reply, String> {
+        send(&self.client, call)
+            .await
+            .map_err(|e| format!("no answer: {}", chain(&e)))
+    }
+
+    async fn create(&self, amount: i64) -> Result<i64, String> {
+        let no = format!("demo-{:012x}", rand::random::<u64>() >> 16);
+        let body = format!(r#"{{"outer_order_no":"{no}","amount_cents":{amount}}}"#);
+        say!("  POST {}/orders  {body}", self.base);
+        let r = self
+            .send(&Call {
+                method: reqwest::Method::POST,
+                url: format!("{}/orders", self.base),
+                body: Some(body),
+                ..Call::default()
+            })
+            .await?;
+        let id = r.json().get("id").and_then(Value::as_i64);
+        match id {
+            Some(id) if r.status == reqwest::StatusCode::CREATED => {
+                say!("    {}, order {id} PENDING", status_text(r.status));
+                Ok(id)
+            }
+            _ => Err(format!(
+                "creating an order answered {}: {}",
+                status_text(r.status),
+                String::from_utf8_lossy(&r.body)
+            )),
+        }
+    }
+
+    fn pay(&self, id: i64, key: &str, simulate: Option<&'static str>) -> Call {
+        Call {
+            method: reqwest::Method::POST,
+            url: format!("{}/orders/{id}/pay", self.base),
+            key: Some(key.to_owned()),
+            simulate,
+            body: None,
+        }
+    }
+
+    /// `(status, number of charges)` of order `id`, read through the gateway
+    /// (GETs pass through).
+    async fn state(&self, id: i64) -> Result<(String, usize), String> {
+        let get = |path: String| Call {
+            method: reqwest::Method::GET,
+            url: format!("{}{path}", self.base),
+            ..Call::default()
+        };
+        let order = self.send(&get(format!("/orders/{id}"))).await?;
+        let charges = self.send(&get(format!("/orders/{id}/charges"))).await?;
+        let n = charges
+            .json()
+            .as_array()
+            .map(Vec::len)
+            .ok_or_else(|| format!("the charges of order {id} are not a list"))?;
+        Ok((order.order_status(), n))
+    }
+}
+
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// Walks the lost-response story, fires `n` concurrent duplicates, and
+/// tells what happened. Returns whether the guarantee held.
+async fn showcase(gateway_url: &str, n: u32) -> bool {
+    match showcase_inner(gateway_url, n).await {
+        Ok(ok) => ok,
+        Err(e) => {
+            say!("    {e}");
+            say!();
+            say!("Result: the showcase could not finish; see above.");
+            false
+        }
+    }
+}
+
+async fn showcase_inner(gateway_url: &str, n: u32) -> Result<bool, String> {
+    let client = reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(30))
         .build()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            say!("Cannot build an HTTP client for the showcase: {e}");
-            return false;
-        }
+        .map_err(|e| format!("cannot build an HTTP client for the showcase: {e}"))?;
+    let walk = Walk {
+        client,
+        base: gateway_url.to_owned(),
     };
-    let url = format!("{gateway_url}/payments");
+    let mut ok = true;
+
+    // --- The story: a lost answer, a retry, one charge.
+    say!("Showcase, part 1: the provider charges but its answer is lost; the client retries");
+    say!();
+    say!("  1. Create an order:");
+    let a = walk.create(1999).await?;
     let key = format!("demo-{:016x}", rand::random::<u64>());
-    let n_usize = n as usize;
-
+    let pay_a = walk.pay(a, &key, Some("lose-response"));
+    say!();
+    say!("  2. Pay it; the provider's answer gets lost on the way back:");
     say!(
-        "Showcase: {n} concurrent copies of one payment request, sent at once through the gateway"
+        "  POST {}  Idempotency-Key: {key}  X-Simulate: lose-response",
+        pay_a.url
     );
-    say!("  POST {url}");
-    say!("  Idempotency-Key: {key}");
-    say!("  body: {SHOWCASE_BODY}");
+    let first = walk.send(&pay_a).await?;
+    let (st, charges) = walk.state(a).await?;
+    say!("    {}", first.summary());
+    say!(
+        "    order {a} is {st}, the provider's ledger holds {}: the service could not know",
+        plural(charges, "charge", "charges")
+    );
+    ok &= first.status == reqwest::StatusCode::GATEWAY_TIMEOUT && charges == 1;
 
-    let before = payments.charges();
+    say!();
+    say!("  3. The client retries the same request (same key):");
+    let retry = walk.send(&pay_a).await?;
+    let (st, charges) = walk.state(a).await?;
+    say!("    {}", retry.summary());
+    say!(
+        "    order {a} is {st}, {}: the service asked the provider again with the same\n    \
+         provider key (order-{a}-attempt-1) and found the charge instead of making a second one",
+        plural(charges, "charge", "charges")
+    );
+    ok &= retry.status.is_success() && retry.order_status() == "PAID" && charges == 1;
+
+    say!();
+    say!("  4. And once more, after it completed:");
+    let again = walk.send(&pay_a).await?;
+    let (_, charges) = walk.state(a).await?;
+    say!(
+        "    {}; still {}",
+        again.summary(),
+        plural(charges, "charge", "charges")
+    );
+    ok &= again.status.is_success() && again.replayed && charges == 1;
+
+    // --- Concurrent duplicates.
+    say!();
+    say!("Showcase, part 2: {n} concurrent copies of one pay request, sent at once through the gateway");
+    say!();
+    let b = walk.create(2500).await?;
+    let key_b = format!("demo-{:016x}", rand::random::<u64>());
+    let pay_b = walk.pay(b, &key_b, None);
+    say!("  POST {}  Idempotency-Key: {key_b}   x {n}", pay_b.url);
+    let n_usize = n as usize;
     let barrier = Arc::new(tokio::sync::Barrier::new(n_usize));
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..n {
-        let (client, url, key, barrier) =
-            (client.clone(), url.clone(), key.clone(), barrier.clone());
+        let (client, call, barrier) = (walk.client.clone(), pay_b.clone(), barrier.clone());
         tasks.spawn(async move {
             barrier.wait().await;
-            send(&client, &url, &key, SHOWCASE_BODY).await
+            send(&client, &call).await
         });
     }
     let mut replies = Vec::with_capacity(n_usize);
@@ -383,8 +589,6 @@ async fn showcase(gateway_url: &str, payments: &Payments, n: u32) -> bool {
             }
         }
     }
-    let charged = payments.charges() - before;
-
     let mut tally: BTreeMap<(String, String), usize> = BTreeMap::new();
     for r in &replies {
         *tally.entry(r.meaning()).or_default() += 1;
@@ -398,131 +602,80 @@ async fn showcase(gateway_url: &str, payments: &Payments, n: u32) -> bool {
     for ((answer, meaning), count) in &tally {
         say!("    {count:>3} x  {answer:<width$}  {meaning}");
     }
-    let times = if charged == 1 { "time" } else { "times" };
+    // A late retry: every copy must end up with the paid order.
+    let late = walk.send(&pay_b).await?;
+    let (st, charged) = walk.state(b).await?;
     say!();
-    say!("  The payment service ran the charge {charged} {times} for {n} concurrent requests.");
-
-    let originals: Vec<&Reply> = replies
-        .iter()
-        .filter(|r| r.status.is_success() && !r.replayed)
-        .collect();
-    let mut ok = charged == 1 && originals.len() == 1;
-    // Every answer must be the original, a replay of it, or "in flight".
-    ok &= replies.len() == n_usize
+    say!(
+        "  The payment provider charged order {b} {} for {n} concurrent requests (order {st}).",
+        if charged == 1 {
+            "1 time".to_owned()
+        } else {
+            format!("{charged} times")
+        }
+    );
+    say!("  A retry afterwards: {}", late.summary());
+    ok &= charged == 1
+        && st == "PAID"
+        && late.status.is_success()
+        && late.replayed
+        && replies.len() == n_usize
         && replies.iter().all(|r| {
-            (r.status.is_success()
-                && (!r.replayed || Some(&r.body) == originals.first().map(|o| &o.body)))
+            (r.status.is_success() && r.order_status() == "PAID")
                 || r.status == reqwest::StatusCode::CONFLICT
         });
 
-    // A retry after the original finished.
+    // --- The key reused for another request.
     say!();
-    say!("  A retry with the same key and body, after the original finished:");
-    let before_retry = payments.charges();
-    match send(&client, &url, &key, SHOWCASE_BODY).await {
-        Ok(r) => {
-            let same = originals.first().is_some_and(|o| o.body == r.body);
-            let replayed = if r.replayed {
-                "Idempotent-Replayed: true"
-            } else {
-                "no Idempotent-Replayed header"
-            };
-            say!("    {}, {replayed}", status_text(r.status));
-            match (r.payment_id(), same) {
-                (Some(id), true) => {
-                    say!("    body: byte for byte the original's (payment {id}); no new charge")
-                }
-                (Some(id), false) => say!("    body: payment {id}, NOT the original's body"),
-                (None, _) => say!("    body: {}", String::from_utf8_lossy(&r.body)),
-            }
-            ok &= r.status.is_success() && r.replayed && same;
-        }
-        Err(e) => {
-            say!("    no answer: {}", chain(&e));
-            ok = false;
-        }
-    }
+    say!("  The same key on another request (paying order {a} instead):");
+    let mismatch = walk.send(&walk.pay(a, &key_b, None)).await?;
+    say!("    {}", mismatch.summary());
+    say!("    (a key belongs to one request; reusing it for another is refused, not run)");
+    ok &= mismatch.status == reqwest::StatusCode::UNPROCESSABLE_ENTITY;
 
-    // The same key with another body.
+    let (_, charges_a) = walk.state(a).await?;
     say!();
-    say!("  The same key with another amount ({OTHER_BODY}):");
-    match send(&client, &url, &key, OTHER_BODY).await {
-        Ok(r) => {
-            say!(
-                "    {}{}",
-                status_text(r.status),
-                r.problem_type
-                    .as_deref()
-                    .map(|t| format!(", {t}"))
-                    .unwrap_or_default()
-            );
-            say!("    (a key belongs to one request; reusing it for another is refused, not run)");
-            ok &= r.status == reqwest::StatusCode::UNPROCESSABLE_ENTITY;
-        }
-        Err(e) => {
-            say!("    no answer: {}", chain(&e));
-            ok = false;
-        }
-    }
-    let extra = payments.charges() - before_retry;
-    let total = charged + extra;
-    say!();
-    if ok && total == 1 {
+    if ok && charges_a == 1 {
         say!(
-            "Result: {} requests with one Idempotency-Key, 1 charge. Every duplicate got the stored\n\
-             answer, a 409 to retry later, or a 422; none ran the charge again.",
-            n + 2
+            "Result: order {a} was paid once despite a lost answer and a retry; order {b} was paid once\n\
+             for {n} concurrent copies. Every duplicate got the stored answer, a 409 to retry later, or\n\
+             a 422; none charged again."
         );
-        if replies
-            .iter()
-            .any(|r| r.status == reqwest::StatusCode::CONFLICT)
-        {
-            say!(
-                "(A copy that arrives while the original runs gets 409 by default. With a wait time,\n\
-                 e.g. `IDEM_WAIT=5s idem demo`, it waits for the original and gets the replay instead.)"
-            );
-        }
-        true
+        Ok(true)
     } else {
         say!(
-            "Result: NOT as expected: {total} charge(s) for {} requests with one key; see the answers above.",
-            n + 2
+            "Result: NOT as expected: order {a} has {charges_a} charge(s), order {b} has {charged}; see the answers above."
         );
-        false
+        Ok(false)
     }
 }
 
 /// Prints ready-to-paste curl lines.
-fn print_try_it(gateway_url: &str, service_url: &str) {
+fn print_try_it(gateway_url: &str) {
+    let no = format!("try-{:08x}", rand::random::<u32>());
     let key = format!("try-{:08x}", rand::random::<u32>());
-    let post = |body: &str| {
-        format!(
-            "curl -i {gateway_url}/payments -H 'Idempotency-Key: {key}' \
-             -H 'Content-Type: application/json' -d '{body}'"
-        )
-    };
     say!();
     say!("Try it yourself in another terminal while this runs:");
     say!();
-    say!("  # 1. A payment through the gateway: the service runs the charge (201 Created)");
-    say!("  {}", post(r#"{"amount_cents":2500,"currency":"EUR"}"#));
-    say!();
+    say!("  # 1. Create an order (201; the same body again: 200 with the same order)");
     say!(
-        "  # 2. The same again: the stored response, with Idempotent-Replayed: true; no new charge"
+        "  curl -i {gateway_url}/orders -H 'Content-Type: application/json' \
+         -d '{{\"outer_order_no\":\"{no}\",\"amount_cents\":2500}}'"
     );
-    say!("  {}", post(r#"{"amount_cents":2500,"currency":"EUR"}"#));
     say!();
-    say!("  # 3. The same key with another body: 422, urn:idem:problem:key-mismatch");
-    say!("  {}", post(r#"{"amount_cents":9900,"currency":"EUR"}"#));
-    say!();
-    say!("  # 4. How many charges the service has run so far");
-    say!("  curl {service_url}/payments/stats");
-    say!();
-    say!("  # 5. Without an Idempotency-Key the gateway passes requests through: each one charges again");
+    say!("  # 2. Pay it (use the id from step 1), losing the provider's answer: 504 after 3 s");
     say!(
-        "  curl -i {gateway_url}/payments -H 'Content-Type: application/json' \
-         -d '{{\"amount_cents\":2500,\"currency\":\"EUR\"}}'"
+        "  curl -i -X POST {gateway_url}/orders/ID/pay -H 'Idempotency-Key: {key}' \
+         -H 'X-Simulate: lose-response'"
     );
+    say!();
+    say!("  # 3. Retry the same request: 200, PAID");
+    say!("  curl -i -X POST {gateway_url}/orders/ID/pay -H 'Idempotency-Key: {key}'");
+    say!();
+    say!("  # 4. The provider's ledger for the order: one charge");
+    say!("  curl {gateway_url}/orders/ID/charges");
+    say!();
+    say!("  # 5. X-Simulate: fail declines (PAYMENT_FAILED); pay again with a new key to retry");
 }
 
 #[cfg(test)]

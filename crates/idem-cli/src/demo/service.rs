@@ -1,6 +1,8 @@
-//! The demo's sample payment service: an ordinary HTTP service that knows
-//! nothing about idempotency. Every `POST /payments` it receives is a new
-//! charge; the gateway in front of it is what makes duplicates harmless.
+//! The demo's naive payment endpoint, served next to the orders example:
+//! an ordinary handler that knows nothing about idempotency. Every `POST
+//! /payments` it receives is a new charge; only the gateway in front of it
+//! makes duplicates harmless (the orders routes, by contrast, carry their
+//! own three layers). `tests/e2e/gateway_client.py` drives it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,22 +57,10 @@ fn default_currency() -> String {
 /// The service's routes.
 pub(crate) fn router(state: Arc<Payments>) -> Router {
     Router::new()
-        .route("/", get(index))
         .route("/payments", post(charge))
         .route("/payments/stats", get(stats))
         .route("/payments/{id}", get(payment))
         .with_state(state)
-}
-
-async fn index() -> Json<Value> {
-    Json(json!({
-        "service": "idem demo payment service",
-        "endpoints": {
-            "POST /payments": "charge: body {\"amount_cents\": 1999, \"currency\": \"EUR\"}; 201 with Location",
-            "GET /payments/{id}": "a payment made earlier",
-            "GET /payments/stats": "how many charges ran",
-        }
-    }))
 }
 
 async fn charge(State(state): State<Arc<Payments>>, headers: HeaderMap, body: Bytes) -> Response {
