@@ -1141,3 +1141,15 @@ mod tests {
             .all(|p| p.starts_with("CREATE TABLE IF NOT EXISTS")));
     }
 }
+
+/// Compile-time check: the constructors' futures are `Send`, so a store can
+/// be built inside `tokio::spawn` (this module fails to compile otherwise).
+#[cfg(test)]
+mod send_check {
+    fn assert_send<T: Send>(_: T) {}
+    #[allow(dead_code)]
+    fn constructor_futures_are_send(pool: sqlx::MySqlPool) {
+        assert_send(super::MySqlStore::from_pool(pool));
+        assert_send(super::MySqlStore::connect(""));
+    }
+}

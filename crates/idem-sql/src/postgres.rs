@@ -655,6 +655,14 @@ async fn check_shape(
 /// Checks an existing table's shape, creates the schema objects when asked
 /// (idempotently, under an advisory lock, in one transaction), and checks
 /// the result.
+/// Runs a multi-statement script: a query without arguments goes over
+/// PostgreSQL's simple query protocol, which accepts several statements.
+/// (`sqlx::raw_sql(..).execute(conn)` does the same but its future is not
+/// provably `Send` in sqlx 0.8, so a store could not be built in a spawned task.)
+async fn exec_raw(conn: &mut PgConnection, sql: &str) -> Result<(), sqlx::Error> {
+    sqlx::Executor::execute(conn, sql).await.map(drop)
+}
+
 async fn prepare_schema(
     conn: &mut PgConnection,
     options: &PostgresOptions,
@@ -690,15 +698,11 @@ async fn prepare_schema(
                 .await
                 .map_err(unavailable)?;
         if !exists {
-            sqlx::raw_sql(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
-                .execute(&mut *tx)
+            exec_raw(&mut tx, &format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
                 .await
                 .map_err(unavailable)?;
         }
-        sqlx::raw_sql(&ddl)
-            .execute(&mut *tx)
-            .await
-            .map_err(unavailable)?;
+        exec_raw(&mut tx, &ddl).await.map_err(unavailable)?;
         tx.commit().await.map_err(unavailable)?;
     }
     if !existed && !check_shape(conn, options).await? {
@@ -1203,5 +1207,19 @@ mod tests {
                 .with_table(table);
             assert!(matches!(validate_names(&o), Err(StoreError::Config(_))));
         }
+    }
+}
+
+/// Compile-time check: the constructors' futures are `Send`, so a store can
+/// be built inside `tokio::spawn` (this module fails to compile otherwise).
+#[cfg(test)]
+mod send_check {
+    fn assert_send<T: Send>(_: T) {}
+    #[allow(dead_code)]
+    fn constructor_futures_are_send(pool: sqlx::PgPool) {
+        assert_send(super::PostgresStore::from_pool(pool.clone()));
+        assert_send(super::PostgresStore::connect_with(
+            super::PostgresOptions::new(""),
+        ));
     }
 }
