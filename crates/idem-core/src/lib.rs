@@ -24,9 +24,11 @@ mod engine;
 mod error;
 mod fingerprint;
 mod key;
+pub mod lock;
 mod memory;
 mod response;
 mod store;
+pub mod token;
 
 pub use clock::{duration_ms, Clock, ManualClock, Millis, SharedClock, SystemClock};
 pub use engine::{Action, Engine, EngineConfig, Once, OnceError, Outcome, Saved};

@@ -169,6 +169,26 @@ pub struct GatewayArgs {
         value_delimiter = ','
     )]
     pub scope_header: Vec<String>,
+
+    /// How long a submit token from `POST /_idem/tokens` may be used for a
+    /// first submit. Above 0; capped at `--ttl` (a result must outlive its
+    /// token).
+    #[arg(long, env = "IDEM_TOKEN_TTL", value_name = "DURATION", default_value = "1h", value_parser = parse_duration)]
+    pub token_ttl: Duration,
+
+    /// Guarded requests whose path starts with this prefix (by path
+    /// segment: `/pay` covers `/pay/42`, not `/payment`) must carry a live
+    /// submit token from `POST /_idem/tokens` as their `Idempotency-Key`:
+    /// without one 428, with an unknown, expired or other caller's token
+    /// 403; the upstream is not called. Repeat the flag or separate
+    /// prefixes by commas.
+    #[arg(
+        long = "require-token",
+        env = "IDEM_REQUIRE_TOKEN",
+        value_name = "PATH_PREFIX",
+        value_delimiter = ','
+    )]
+    pub require_token: Vec<String>,
 }
 
 impl GatewayArgs {
@@ -180,7 +200,8 @@ impl GatewayArgs {
     /// the store timeout is 0, no method is given, the store URL names an
     /// unsupported scheme or a bad `idem_*` option, or a
     /// `--scope-header` name is not a usable header name
-    /// ([`ConfigError::ScopeHeader`]).
+    /// ([`ConfigError::ScopeHeader`]), the token TTL is 0, or a `--require-token` prefix does not start with `/`
+    /// ([`ConfigError::RequireToken`]).
     pub fn into_config(self) -> Result<GatewayConfig, ConfigError> {
         let mut names: Vec<HeaderName> = Vec::with_capacity(self.scope_header.len());
         for raw in &self.scope_header {
@@ -206,6 +227,15 @@ impl GatewayArgs {
         config.store_pool_size = self.store_pool_size;
         config.store_timeout = self.store_timeout;
         config.fail_open = self.fail_open;
+        // A result must outlive its token: the token TTL is capped at the TTL.
+        config.token_ttl = self.token_ttl.min(self.ttl);
+        config.require_token = Vec::new();
+        for raw in self.require_token {
+            let prefix = parse_token_prefix(&raw).map_err(ConfigError::RequireToken)?;
+            if !config.require_token.contains(&prefix) {
+                config.require_token.push(prefix);
+            }
+        }
         config.validate()?;
         Ok(config)
     }
@@ -260,6 +290,14 @@ pub struct GatewayConfig {
     /// `begin` (default false: answer 503). See the crate docs before
     /// turning it on.
     pub fail_open: bool,
+    /// How long a submit token from `POST /_idem/tokens` may be used for a
+    /// first submit (default 1 h; above 0). Tokens are issued for at most
+    /// `ttl`, whatever this says.
+    pub token_ttl: Duration,
+    /// Path prefixes whose guarded requests need a live submit token as
+    /// their key (default none), see [`idem_http::Options::require_token`].
+    /// Each starts with `/`.
+    pub require_token: Vec<String>,
     /// How often expired records are purged (default 60 s). Not a flag.
     pub purge_interval: Duration,
     /// How long a graceful shutdown waits, in all, for in-flight requests
@@ -288,6 +326,8 @@ impl GatewayConfig {
             store_pool_size: 16,
             store_timeout: Duration::from_secs(5),
             fail_open: false,
+            token_ttl: Duration::from_secs(3600),
+            require_token: Vec::new(),
             purge_interval: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(30),
         }
@@ -329,6 +369,12 @@ impl GatewayConfig {
         if self.methods.is_empty() {
             return Err(ConfigError::NoMethods);
         }
+        if self.token_ttl.is_zero() {
+            return Err(ConfigError::Zero("--token-ttl"));
+        }
+        for prefix in &self.require_token {
+            parse_token_prefix(prefix).map_err(ConfigError::RequireToken)?;
+        }
         for m in &self.methods {
             check_method(m).map_err(ConfigError::Method)?;
         }
@@ -369,6 +415,8 @@ impl std::fmt::Debug for GatewayArgs {
             .field("store_timeout", &self.store_timeout)
             .field("fail_open", &self.fail_open)
             .field("scope_header", &self.scope_header)
+            .field("token_ttl", &self.token_ttl)
+            .field("require_token", &self.require_token)
             .finish()
     }
 }
@@ -393,6 +441,8 @@ impl std::fmt::Debug for GatewayConfig {
             .field("store_pool_size", &self.store_pool_size)
             .field("store_timeout", &self.store_timeout)
             .field("fail_open", &self.fail_open)
+            .field("token_ttl", &self.token_ttl)
+            .field("require_token", &self.require_token)
             .field("purge_interval", &self.purge_interval)
             .field("shutdown_grace", &self.shutdown_grace)
             .finish()
@@ -438,6 +488,9 @@ pub enum ConfigError {
     /// a caller, or no scope header is given.
     #[error("--scope-header: {0}")]
     ScopeHeader(String),
+    /// A `--require-token` prefix is not a path prefix.
+    #[error("--require-token: {0}")]
+    RequireToken(String),
 }
 
 /// Parses a duration such as `500ms`, `30s`, `24h` or `0`.
@@ -564,6 +617,34 @@ fn check_method(m: &Method) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks one `--require-token` path prefix: trimmed, it must start with
+/// `/` and hold no `?`, `#` or whitespace.
+///
+/// ```
+/// assert_eq!(idem_gateway::parse_token_prefix(" /pay ").unwrap(), "/pay");
+/// assert!(idem_gateway::parse_token_prefix("pay").is_err());
+/// assert!(idem_gateway::parse_token_prefix("/pay?x=1").is_err());
+/// ```
+///
+/// # Errors
+/// A message for an empty prefix, one without a leading `/`, or one with a
+/// query, a fragment or whitespace.
+pub fn parse_token_prefix(s: &str) -> Result<String, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        return Err("empty path prefix (use a comma-separated list such as /pay,/checkout)".into());
+    }
+    if !t.starts_with('/') {
+        return Err(format!("{t:?} must start with '/', e.g. /pay"));
+    }
+    if t.contains(['?', '#']) || t.contains(char::is_whitespace) {
+        return Err(format!(
+            "{t:?} must be a path prefix without query, fragment or spaces"
+        ));
+    }
+    Ok(t.to_owned())
+}
+
 /// Parses and checks an upstream URL: `http://host[:port][/prefix]`, without
 /// user info, query or fragment.
 ///
@@ -644,6 +725,47 @@ mod tests {
         assert_eq!(c.store_pool_size, 16);
         assert_eq!(c.store_timeout, Duration::from_secs(5));
         assert!(!c.fail_open);
+        assert_eq!(c.token_ttl, Duration::from_secs(3600));
+        assert!(c.require_token.is_empty());
+    }
+
+    #[test]
+    fn token_flags() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        let c = g(&[
+            "--require-token",
+            "/pay, /checkout/",
+            "--require-token",
+            "/pay",
+            "--token-ttl",
+            "15m",
+        ])
+        .unwrap();
+        assert_eq!(c.require_token, vec!["/pay", "/checkout/"]);
+        assert_eq!(c.token_ttl, Duration::from_secs(900));
+        assert!(matches!(
+            g(&["--token-ttl", "0"]),
+            Err(ConfigError::Zero("--token-ttl"))
+        ));
+        let capped = g(&["--token-ttl", "2h", "--ttl", "30m"]).unwrap();
+        assert_eq!(
+            capped.token_ttl,
+            Duration::from_secs(1800),
+            "capped at --ttl"
+        );
+        for bad in ["pay", "", "/pay?x", "/a b"] {
+            assert!(
+                matches!(
+                    g(&["--require-token", bad]),
+                    Err(ConfigError::RequireToken(_))
+                ),
+                "{bad:?}"
+            );
+        }
     }
 
     fn scope_names(c: &GatewayConfig) -> Vec<String> {

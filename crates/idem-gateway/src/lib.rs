@@ -50,6 +50,8 @@
 //! | `--upstream-idle-timeout` | `IDEM_UPSTREAM_IDLE_TIMEOUT` | `1s` | how long a pooled keep-alive connection to the upstream may sit unused before it is closed instead of reused; keep it below the upstream's keep-alive timeout (Node.js 5 s, gunicorn 2 s); > 0 |
 //! | `--wait` | `IDEM_WAIT` | `0` | how long a duplicate waits for the original (0: 409 at once) |
 //! | `--scope-header NAME` | `IDEM_SCOPE_HEADER` | `authorization` | headers whose values scope a key (SHA-256 over them); repeatable, comma-separated |
+//! | `--token-ttl DURATION` | `IDEM_TOKEN_TTL` | `1h` | how long a submit token from `POST /_idem/tokens` may be used for a first submit; > 0, capped at `--ttl` |
+//! | `--require-token PATH_PREFIX` | `IDEM_REQUIRE_TOKEN` | none | guarded requests under this path prefix need a live submit token as their key (428 without one, 403 `token-unknown` for an unknown or expired one); repeatable, comma-separated |
 //!
 //! ## Stores
 //!
@@ -165,8 +167,25 @@
 //!
 //! Paths under `/_idem/` are answered by the gateway and never proxied:
 //! `GET /_idem/health` → `200 {"status":"ok","store":"sqlite"}` after a
-//! read from the store (a `503` problem when the store fails); any other
-//! `/_idem/*` path → `404` problem.
+//! read from the store (a `503` problem when the store fails);
+//! `POST /_idem/tokens` → `201` `{"token":"tok_…","expires_in":3600}`
+//! (`application/json`; `expires_in` in whole seconds): a submit token for
+//! the caller's scope (the scope the layer derives from the
+//! `--scope-header` fields), a `503` problem when the store fails; any
+//! other `/_idem/*` path → `404` problem.
+//!
+//! ## Submit tokens
+//!
+//! `POST /_idem/tokens` issues a one-time token (see
+//! [`idem_core::token`]); with `--require-token /pay`, a guarded request
+//! under `/pay` must carry a live token of its caller as its
+//! `Idempotency-Key`. Its first use runs upstream once; a concurrent
+//! second use gets 409, a later one the stored response (even after the
+//! token's TTL, while the result is retained). A request without a key gets
+//! 428 `token-required`; a token never issued to this caller, or one whose
+//! `--token-ttl` passed before its first use, gets 403 `token-unknown`. The
+//! upstream is not called in either case. `--fail-open` never applies to
+//! these routes: a token cannot be checked without the store.
 //!
 //! ## Shutdown and housekeeping
 //!
@@ -187,8 +206,8 @@ mod server;
 mod store;
 
 pub use config::{
-    parse_duration, parse_method, parse_scope_header, parse_size, parse_upstream, ConfigError,
-    GatewayArgs, GatewayConfig,
+    parse_duration, parse_method, parse_scope_header, parse_size, parse_token_prefix,
+    parse_upstream, ConfigError, GatewayArgs, GatewayConfig,
 };
 pub use fail_open::IDEMPOTENCY_STATUS;
 pub use proxy::{append_forwarded_for, strip_hop_by_hop, HOP_BY_HOP};

@@ -17,6 +17,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use idem_core::token::IssueError;
 use idem_core::{DynStore, IdempotencyKey, Scope, StoreError};
 use idem_http::{problem, BoxBody, BoxError, IdempotencyLayer, ScopeBy};
 use tokio::net::TcpListener;
@@ -235,7 +236,10 @@ impl Gateway {
             .with_retention_limit(config.retention_limit)
             .with_lease(config.lease)
             .with_ttl(config.ttl)
-            .with_wait(config.wait);
+            .with_wait(config.wait)
+            .with_require_token(config.require_token.clone())
+            .with_token_ttl(config.token_ttl);
+        let tokens = Arc::new(layer.clone());
         let client = proxy::client(config.upstream_timeout, config.upstream_idle_timeout);
         let methods: Vec<&str> = config.methods.iter().map(Method::as_str).collect();
         let scope = match &config.scope {
@@ -262,6 +266,8 @@ impl Gateway {
             upstream_timeout = %humantime::format_duration(config.upstream_timeout),
             wait = %humantime::format_duration(config.wait),
             scope = %scope,
+            token_ttl = %humantime::format_duration(config.token_ttl),
+            require_token = %config.require_token.join(","),
             "idem gateway listening"
         );
         if config.store_timeout.saturating_mul(3) > config.lease {
@@ -314,6 +320,7 @@ impl Gateway {
                 store: store.clone(),
                 kind,
                 fail_open: fail_open.clone(),
+                tokens: tokens.clone(),
             });
             let watcher = graceful.watcher();
             let builder = builder.clone();
@@ -414,6 +421,9 @@ struct Root {
     store: DynStore,
     kind: &'static str,
     fail_open: Option<Arc<FailOpen>>,
+    /// The layer's settings, for `POST /_idem/tokens` (issuing in the
+    /// scope the layer derives) and for the token routes.
+    tokens: Arc<IdempotencyLayer>,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -437,10 +447,14 @@ impl tower_service::Service<Request<Incoming>> for Root {
         if path.starts_with(RESERVED_PREFIX) || path == "/_idem" {
             let store = self.store.clone();
             let kind = self.kind;
-            return Box::pin(async move { Ok(internal(req, store, kind).await) });
+            let tokens = self.tokens.clone();
+            return Box::pin(async move { Ok(internal(req, store, kind, &tokens).await) });
         }
         let inner = self.inner.clone();
-        if let Some(fo) = &self.fail_open {
+        // A token route never fails open: a token cannot be checked
+        // without the store.
+        let token_route = self.tokens.options().token_required(path);
+        if let (Some(fo), false) = (&self.fail_open, token_route) {
             if let Some(key) = fo.key_of(&req) {
                 let fo = fo.clone();
                 let proxy = self.proxy.clone();
@@ -458,7 +472,11 @@ async fn internal(
     req: Request<Incoming>,
     store: DynStore,
     kind: &'static str,
+    tokens: &IdempotencyLayer,
 ) -> Response<BoxBody> {
+    if req.uri().path() == TOKENS_PATH {
+        return issue_token(&req, tokens).await;
+    }
     if req.uri().path() != "/_idem/health" {
         return problem(
             StatusCode::NOT_FOUND,
@@ -498,6 +516,67 @@ async fn internal(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
                 format!("the {kind} store is failing: {detail}"),
+            )
+        }
+    }
+}
+
+/// Where submit tokens are issued.
+const TOKENS_PATH: &str = "/_idem/tokens";
+
+/// `POST /_idem/tokens`: a submit token for the caller's scope →
+/// 201 `{"token": "tok_…", "expires_in": seconds}`.
+async fn issue_token(req: &Request<Incoming>, layer: &IdempotencyLayer) -> Response<BoxBody> {
+    if req.method() != Method::POST {
+        let mut resp = problem(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "/_idem/tokens answers POST",
+        );
+        resp.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("POST"));
+        return resp;
+    }
+    match layer.issue_token(req.headers()).await {
+        Ok(issued) => {
+            let body = serde_json::json!({
+                "token": issued.token,
+                "expires_in": issued.expires_in_secs(),
+            })
+            .to_string();
+            let mut resp = Response::new(
+                Full::new(Bytes::from(body))
+                    .map_err(|e| match e {})
+                    .boxed_unsync(),
+            );
+            *resp.status_mut() = StatusCode::CREATED;
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            resp.headers_mut()
+                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            resp
+        }
+        Err(IssueError::Store(e)) => {
+            tracing::warn!(error = %error_chain(&e), "issuing a submit token failed");
+            let kind = if matches!(e, StoreError::Full { .. }) {
+                "store-full"
+            } else {
+                "store-unavailable"
+            };
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                kind,
+                "the idempotency store failed; no submit token was issued. Retry later.",
+            )
+        }
+        Err(e) => {
+            tracing::error!(error = %error_chain(&e), "issuing a submit token failed");
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                format!("no submit token was issued: {e}"),
             )
         }
     }

@@ -3,7 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Method, StatusCode};
+use http::{HeaderMap, Method, StatusCode};
+use idem_core::token::{IssueError, IssuedToken, SubmitTokens};
 use idem_core::{Action, DynStore, Engine, EngineConfig, Store};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
@@ -34,6 +35,18 @@ pub struct Options {
     /// Which statuses are stored; the rest are released
     /// (default: 1xx–4xx except 408, 409, 425, 429).
     pub policy: fn(http::StatusCode) -> Disposition,
+    /// Path prefixes whose guarded requests must carry a live submit token
+    /// ([`idem_core::token`]) as their `Idempotency-Key` (default none).
+    /// Matched by path segment: `/pay` matches `/pay` and `/pay/42`, not
+    /// `/payment`; a prefix ending in `/` matches every path under it.
+    /// Without a key such a request gets 428 `token-required`; with a key
+    /// that is not a token issued for its scope, or one whose TTL passed
+    /// before its first use, 403 `token-unknown`. The inner service is not
+    /// called either way.
+    pub require_token: Vec<String>,
+    /// How long a token issued by [`IdempotencyLayer::issue_token`] may be
+    /// used for a first submit (default 1 h; capped at `ttl`).
+    pub token_ttl: Duration,
 }
 
 /// 10 MiB.
@@ -53,6 +66,8 @@ impl Default for Options {
             ttl: Duration::from_secs(24 * 3600),
             wait: Duration::ZERO,
             policy: default_policy,
+            require_token: Vec::new(),
+            token_ttl: Duration::from_secs(3600),
         }
     }
 }
@@ -72,13 +87,40 @@ impl Options {
             ..EngineConfig::default()
         }
     }
+
+    /// Whether a guarded request for `path` must carry a submit token
+    /// (see [`Options::require_token`]).
+    ///
+    /// ```
+    /// let o = idem_http::Options { require_token: vec!["/pay".into()], ..Default::default() };
+    /// assert!(o.token_required("/pay"));
+    /// assert!(o.token_required("/pay/42"));
+    /// assert!(!o.token_required("/payment"));
+    /// assert!(!o.token_required("/orders"));
+    /// ```
+    pub fn token_required(&self, path: &str) -> bool {
+        self.require_token
+            .iter()
+            .any(|prefix| path_has_prefix(path, prefix))
+    }
+}
+
+/// `path` equals `prefix`, or continues it with a new segment (or `prefix`
+/// ends in `/`).
+fn path_has_prefix(path: &str, prefix: &str) -> bool {
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
+        None => false,
+    }
 }
 
 /// The tower layer. `IdempotencyLayer::new(store)` then `with_*` builders:
 /// `with_methods(Vec<Method>)`, `with_require_key(bool)`, `with_scope(ScopeBy)`,
 /// `with_max_body(usize)`, `with_retention_limit(usize)`, `with_lease(Duration)`,
 /// `with_ttl(Duration)`, `with_wait(Duration)`, `with_policy(fn)`,
-/// `with_tracker(TaskTracker)`.
+/// `with_require_token(prefixes)`, `with_token_ttl(Duration)`,
+/// `with_tracker(TaskTracker)`; [`IdempotencyLayer::issue_token`] issues
+/// submit tokens.
 ///
 /// It wraps a service into an [`IdempotencyService`]; see the
 /// [crate docs](crate) for the behaviour.
@@ -325,6 +367,69 @@ impl IdempotencyLayer {
         self.options.policy = policy;
         self
     }
+
+    /// Guarded requests under these path prefixes must carry a live submit
+    /// token as their `Idempotency-Key` (see [`Options::require_token`]);
+    /// replaces the list.
+    ///
+    /// ```
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_require_token(["/pay", "/checkout/"]);
+    /// assert!(layer.options().token_required("/pay/7"));
+    /// ```
+    pub fn with_require_token<I, P>(mut self, prefixes: I) -> Self
+    where
+        I: IntoIterator<Item = P>,
+        P: Into<String>,
+    {
+        self.options.require_token = prefixes.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// How long a token from [`IdempotencyLayer::issue_token`] may be used
+    /// for a first submit (default 1 h; capped at the replay window `ttl`,
+    /// so a result is never forgotten while its token is still accepted).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_token_ttl(Duration::from_secs(900));
+    /// assert_eq!(layer.options().token_ttl, Duration::from_secs(900));
+    /// ```
+    pub fn with_token_ttl(mut self, ttl: Duration) -> Self {
+        self.options.token_ttl = ttl;
+        self
+    }
+
+    /// Submit tokens over this layer's store, with its lease and replay
+    /// window ([`Options::engine_config`]).
+    pub fn tokens(&self) -> SubmitTokens<DynStore> {
+        SubmitTokens::from_engine(Engine::with_config(
+            self.store.clone(),
+            self.options.engine_config(),
+        ))
+    }
+
+    /// Issues a submit token for the scope the layer derives from
+    /// `headers` ([`Options::scope`]), valid for [`Options::token_ttl`]
+    /// (capped at [`Options::ttl`]). Two store calls.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new());
+    /// let issued = layer.issue_token(&http::HeaderMap::new()).await.unwrap();
+    /// assert!(issued.token.starts_with("tok_"));
+    /// assert_eq!(issued.expires_in.as_secs(), 3600);
+    /// # });
+    /// ```
+    ///
+    /// # Errors
+    /// [`IssueError::Store`] when the store fails, [`IssueError::ZeroTtl`]
+    /// when `token_ttl` is 0.
+    pub async fn issue_token(&self, headers: &HeaderMap) -> Result<IssuedToken, IssueError> {
+        let scope = self.options.scope.scope_of(headers);
+        self.tokens().issue(&scope, self.options.token_ttl).await
+    }
 }
 
 impl<S> Layer<S> for IdempotencyLayer {
@@ -362,5 +467,18 @@ mod tests {
         let c = o.engine_config();
         assert!(c.watchdog);
         assert_eq!(c.on_cancel, Action::Hold);
+        assert!(o.require_token.is_empty());
+        assert_eq!(o.token_ttl, Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn token_prefixes_match_by_segment() {
+        assert!(path_has_prefix("/pay", "/pay"));
+        assert!(path_has_prefix("/pay/1", "/pay"));
+        assert!(!path_has_prefix("/payment", "/pay"));
+        assert!(path_has_prefix("/pay/1", "/pay/"));
+        assert!(!path_has_prefix("/pay", "/pay/"));
+        assert!(path_has_prefix("/anything", "/"));
+        assert!(!path_has_prefix("/orders", "/pay"));
     }
 }

@@ -52,8 +52,10 @@
 //! | 400 `invalid-key`, `multiple-keys`, `key-required`, `body-unreadable` | bad header, body read error |
 //! | 409 `in-flight` + `Retry-After`    | same key, same request, still running                     |
 //! | 410 `response-not-retained`        | the original's body was larger than the retention limit   |
+//! | 403 `token-unknown`               | a route of [`Options::require_token`] whose key is not a live submit token of the caller (never issued to it, or expired before its first use); the inner service is not called |
 //! | 413 `body-too-large`               | request body larger than [`Options::max_body`]            |
 //! | 422 `key-mismatch`                 | same key, different method/path/query/content type/body   |
+//! | 428 `token-required`              | a route of [`Options::require_token`] without an `Idempotency-Key` |
 //! | 500 `corrupt-record`, `internal`   | undecodable record; the inner service panicked            |
 //! | 502 `upstream-failed`              | the response body failed while it was buffered (key held) |
 //! | 503 `store-unavailable`, `store-full` | the store failed before the run (the inner service is not called) |

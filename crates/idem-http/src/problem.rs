@@ -25,6 +25,8 @@ fn title_of(kind: &str, status: StatusCode) -> String {
         "body-unreadable" => "Request body could not be read",
         "in-flight" => "Request in flight",
         "key-mismatch" => "Idempotency-Key reused for a different request",
+        "token-required" => "Submit token required",
+        "token-unknown" => "Unknown or expired submit token",
         "response-not-retained" => "Response not retained",
         "store-unavailable" => "Idempotency store unavailable",
         "store-full" => "Idempotency store full",
@@ -131,7 +133,8 @@ impl Problem {
 /// `body-too-large`, `body-unreadable`, `in-flight`, `key-mismatch`,
 /// `response-not-retained`, `store-unavailable`, `store-full`,
 /// `corrupt-record`, `internal`, `upstream-failed` (a response body that
-/// failed while it was buffered).
+/// failed while it was buffered), `token-required` and `token-unknown`
+/// (routes that require a submit token, [`crate::Options::require_token`]).
 ///
 /// ```
 /// use http::StatusCode;

@@ -8,6 +8,7 @@ use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use idem_core::token::{SubmitTokens, TokenOutcome};
 use idem_core::{
     Action, DynStore, Engine, Fingerprint, IdempotencyKey, Outcome, Saved, Scope, StoreError,
 };
@@ -106,8 +107,18 @@ where
             path: req.uri().path().to_owned(),
             key: String::new(),
         };
+        let token = options.token_required(req.uri().path());
         let key = match key_from_headers(req.headers()) {
             Ok(Some(key)) => key,
+            Ok(None) if token => {
+                return ready(log.rejected(Problem::new(
+                    StatusCode::PRECONDITION_REQUIRED,
+                    "token-required",
+                    "This request must carry a submit token as its Idempotency-Key. Get one \
+                     from the service (the gateway issues them at POST /_idem/tokens) before \
+                     submitting.",
+                )));
+            }
             Ok(None) if !options.require_key => return pass_through(&mut inner, req),
             Ok(None) => {
                 return ready(log.rejected(Problem::new(
@@ -150,6 +161,7 @@ where
             options,
             scope,
             key,
+            token,
             log,
         };
         guarded.respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
@@ -162,6 +174,8 @@ struct Guarded {
     options: Arc<Options>,
     scope: Scope,
     key: IdempotencyKey,
+    /// The key must be a live submit token ([`crate::Options::require_token`]).
+    token: bool,
     log: LogCtx,
 }
 
@@ -253,21 +267,32 @@ impl Guarded {
             options,
             scope,
             key,
+            token,
             log,
         } = self;
         let policy = options.policy;
         let retention_limit = options.retention_limit;
-        let outcome = engine
-            .execute(&scope, &key, fingerprint, move |_lease| async move {
-                match inner.call(req).await {
-                    Err(e) => (Err(e), Action::Release),
-                    Ok(resp) => {
-                        let (resp, action) = first_response(resp, policy, retention_limit).await;
-                        (Ok(resp), action)
-                    }
+        let op = move |_lease| async move {
+            match inner.call(req).await {
+                Err(e) => (Err(e), Action::Release),
+                Ok(resp) => {
+                    let (resp, action) = first_response(resp, policy, retention_limit).await;
+                    (Ok(resp), action)
                 }
-            })
-            .await;
+            }
+        };
+        let outcome = if token {
+            match SubmitTokens::from_engine(engine)
+                .execute(&scope, key.as_str(), fingerprint, op)
+                .await
+            {
+                Ok(TokenOutcome::Keyed(outcome)) => Ok(outcome),
+                Ok(TokenOutcome::TokenRejected) => return Ok(log.rejected(token_unknown())),
+                Err(e) => Err(e),
+            }
+        } else {
+            engine.execute(&scope, &key, fingerprint, op).await
+        };
         match outcome {
             Err(e) => Ok(log.rejected(store_problem(&key, &e))),
             Ok(Outcome::Executed { value, saved, .. }) => {
@@ -386,6 +411,18 @@ fn too_large(max: usize) -> Problem {
 /// Whole seconds left on a lease, rounded up, at least 1.
 fn retry_after_secs(left: Duration) -> u64 {
     (left.as_secs() + u64::from(left.subsec_nanos() > 0)).max(1)
+}
+
+/// 403 `token-unknown`: the key of a token route is not a live submit token
+/// of the caller's scope.
+fn token_unknown() -> Problem {
+    Problem::new(
+        StatusCode::FORBIDDEN,
+        "token-unknown",
+        "This Idempotency-Key is not a live submit token for this caller: it was never issued \
+         to this caller, or it expired before its first use. Get a new token and submit again; \
+         nothing was run.",
+    )
 }
 
 fn store_problem(key: &IdempotencyKey, e: &StoreError) -> Problem {

@@ -2,8 +2,9 @@
 
 /// Writes a module `$module` (e.g. `conformance`, inside a module named
 /// `<store>_tests`) with one `#[tokio::test]` per check of
-/// [`store_checks`](crate::store_checks) and
-/// [`engine_checks`](crate::engine_checks).
+/// [`store_checks`](crate::store_checks),
+/// [`engine_checks`](crate::engine_checks) and
+/// [`token_checks`](crate::token_checks).
 ///
 /// `$make` is called once per test and returns a future of a
 /// [`Harness`](crate::Harness): a path to an `async fn` or a closure
@@ -52,11 +53,22 @@ macro_rules! conformance_tests {
                 engine_watchdog_keeps_lease_alive,
                 engine_wait_mode_replays,
             ]
+            token_checks: [
+                token_issue_use_replay,
+                token_concurrent_use_runs_once,
+                token_unknown_rejected_store_clean,
+                token_expired_rejected,
+                token_bound_to_its_scope,
+                token_reuse_after_ttl_replays,
+                token_retry_after_release_runs,
+                token_never_runs_twice_after_result_expiry,
+            ]
         );
     };
     (@module $module:ident, $make:expr;
         store_checks: [$($store_check:ident),* $(,)?]
         engine_checks: [$($engine_check:ident),* $(,)?]
+        token_checks: [$($token_check:ident),* $(,)?]
     ) => {
         mod $module {
             #[allow(unused_imports)]
@@ -73,6 +85,13 @@ macro_rules! conformance_tests {
                 async fn $engine_check() {
                     let harness = ($make)().await;
                     $crate::engine_checks::$engine_check(&harness).await;
+                }
+            )*
+            $(
+                #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $token_check() {
+                    let harness = ($make)().await;
+                    $crate::token_checks::$token_check(&harness).await;
                 }
             )*
         }

@@ -1,0 +1,241 @@
+//! Submit tokens through the gateway, over real sockets: `POST
+//! /_idem/tokens` and `--require-token` routes (CASES I1).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+
+/// `POST /_idem/tokens` with optional `Authorization`.
+async fn issue(c: &reqwest::Client, gw: &TestGateway, auth: Option<&str>) -> Got {
+    let mut r = c.post(gw.url("/_idem/tokens"));
+    if let Some(a) = auth {
+        r = r.header("authorization", a);
+    }
+    read(r.send().await.unwrap()).await
+}
+
+async fn token(c: &reqwest::Client, gw: &TestGateway, auth: Option<&str>) -> String {
+    let r = issue(c, gw, auth).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    r.json()["token"].as_str().expect("token").to_owned()
+}
+
+/// POSTs with a key and an `Authorization` field.
+async fn post_as(c: &reqwest::Client, url: &str, key: Option<&str>, auth: &str) -> Got {
+    let mut r = c
+        .post(url)
+        .header("content-type", "application/json")
+        .header("authorization", auth)
+        .body("{}");
+    if let Some(k) = key {
+        r = r.header("idempotency-key", k);
+    }
+    read(r.send().await.unwrap()).await
+}
+
+fn assert_problem(r: &Got, status: u16, kind: &str) {
+    assert_eq!(r.status, status, "{}", r.text());
+    assert_eq!(r.problem_type(), format!("urn:idem:problem:{kind}"));
+    assert_eq!(
+        r.header("content-type").as_deref(),
+        Some("application/problem+json")
+    );
+}
+
+#[tokio::test]
+async fn issuing_a_token_answers_201_json() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| c.token_ttl = Duration::from_secs(600)).await;
+    let c = client();
+    let r = issue(&c, &gw, None).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(
+        r.header("content-type").as_deref(),
+        Some("application/json")
+    );
+    assert_eq!(r.header("cache-control").as_deref(), Some("no-store"));
+    let v = r.json();
+    let t = v["token"].as_str().expect("token is a string");
+    assert!(t.starts_with("tok_") && t.len() == 36, "{t}");
+    assert_eq!(v["expires_in"], 600);
+    assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
+    // Every token is new.
+    let again = token(&c, &gw, None).await;
+    assert_ne!(again, t);
+    // Only POST.
+    let get = read(c.get(gw.url("/_idem/tokens")).send().await.unwrap()).await;
+    assert_problem(&get, 405, "method-not-allowed");
+    assert_eq!(get.header("allow").as_deref(), Some("POST"));
+    assert_eq!(up.hits(), 0, "never proxied");
+}
+
+#[tokio::test]
+async fn i1_two_concurrent_submits_with_one_token_run_once() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| c.require_token = vec!["/slow".into()]).await;
+    let c = client();
+    let t = token(&c, &gw, Some("Bearer alice")).await;
+    let url = gw.url("/slow?ms=500");
+    let (a, b) = tokio::join!(post_as(&c, &url, Some(&t), "Bearer alice"), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        post_as(&c, &url, Some(&t), "Bearer alice").await
+    });
+    let ok: Vec<&Got> = [&a, &b]
+        .into_iter()
+        .filter(|r| (200..300).contains(&r.status))
+        .collect();
+    assert_eq!(ok.len(), 1, "exactly one 2xx: {} / {}", a.status, b.status);
+    let other = if (200..300).contains(&a.status) {
+        &b
+    } else {
+        &a
+    };
+    assert_problem(other, 409, "in-flight");
+    assert_eq!(up.hits(), 1, "one upstream call");
+    // A later reuse replays.
+    let later = post_as(&c, &url, Some(&t), "Bearer alice").await;
+    assert_eq!(later.status, 200);
+    assert!(later.replayed());
+    assert_eq!(later.text(), "slow 1");
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn sixteen_concurrent_submits_with_one_token_run_once() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| c.require_token = vec!["/slow".into()]).await;
+    let c = client();
+    let t = token(&c, &gw, None).await;
+    let url = gw.url("/slow?ms=300");
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (c, url, t) = (c.clone(), url.clone(), t.clone());
+            tokio::spawn(async move { post(&c, &url, Some(&t), "{}").await })
+        })
+        .collect();
+    let (mut originals, mut others) = (0, 0);
+    for task in tasks {
+        let r = task.await.unwrap();
+        match r.status {
+            200 if !r.replayed() => originals += 1,
+            200 => others += 1,
+            409 => {
+                assert_problem(&r, 409, "in-flight");
+                others += 1;
+            }
+            s => panic!("unexpected {s}: {}", r.text()),
+        }
+    }
+    assert_eq!(originals, 1);
+    assert_eq!(others, 15);
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn unknown_expired_and_foreign_tokens_are_refused_and_never_reach_upstream() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| {
+        c.require_token = vec!["/orders".into()];
+        c.token_ttl = Duration::from_secs(1);
+    })
+    .await;
+    let c = client();
+    let url = gw.url("/orders");
+    // Well-formed but never issued; a plain idempotency key.
+    for k in ["tok_0123456789abcdef0123456789abcdef", &key("plain")] {
+        let r = post_as(&c, &url, Some(k), "Bearer alice").await;
+        assert_problem(&r, 403, "token-unknown");
+        // Refused again: nothing was left in flight.
+        let r = post_as(&c, &url, Some(k), "Bearer alice").await;
+        assert_problem(&r, 403, "token-unknown");
+    }
+    // Issued to bob: unknown for alice, usable by bob.
+    let bobs = token(&c, &gw, Some("Bearer bob")).await;
+    let r = post_as(&c, &url, Some(&bobs), "Bearer alice").await;
+    assert_problem(&r, 403, "token-unknown");
+    // Expired before its first use (TTL 1 s, used after 2.5 s).
+    let alices = token(&c, &gw, Some("Bearer alice")).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let r = post_as(&c, &url, Some(&alices), "Bearer alice").await;
+    assert_problem(&r, 403, "token-unknown");
+    assert_eq!(up.hits(), 0, "the upstream was never called");
+    // Bob's token has expired too by now; a fresh one works.
+    let fresh = token(&c, &gw, Some("Bearer bob")).await;
+    let r = post_as(&c, &url, Some(&fresh), "Bearer bob").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(up.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_required_route_without_a_key_is_refused() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| c.require_token = vec!["/orders".into()]).await;
+    let c = client();
+    let r = post(&c, &gw.url("/orders"), None, "{}").await;
+    assert_problem(&r, 428, "token-required");
+    let r = post(&c, &gw.url("/orders/7"), None, "{}").await;
+    assert_problem(&r, 428, "token-required");
+    assert_eq!(up.hits(), 0);
+}
+
+#[tokio::test]
+async fn routes_outside_the_prefixes_work_as_before() {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), |c| c.require_token = vec!["/slow".into()]).await;
+    let c = client();
+    // No key: passes through unguarded.
+    let r = post(&c, &gw.url("/orders"), None, "{}").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    // Any key: ordinary idempotency.
+    let k = key("plain");
+    let a = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    let b = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
+    assert_eq!(a.status, 201);
+    assert!(b.replayed());
+    assert_eq!(a.body, b.body);
+    assert_eq!(up.hits(), 2);
+    // `/slowly` is not under `/slow`: proxied with any key.
+    let r = post(&c, &gw.url("/slowly"), Some(&key("x")), "{}").await;
+    assert!(
+        !r.problem_type().starts_with("urn:idem:problem:token-"),
+        "{}",
+        r.text()
+    );
+    assert_eq!(up.hits(), 3, "reached the upstream");
+}
+
+#[tokio::test]
+async fn issuing_with_the_store_down_is_503() {
+    let up = upstream().await;
+    let store = SwitchStore::new();
+    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
+    let c = client();
+    store.set(Mode::Unavailable);
+    let r = issue(&c, &gw, None).await;
+    assert_problem(&r, 503, "store-unavailable");
+    store.set(Mode::Healthy);
+    let r = issue(&c, &gw, None).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+}
+
+#[tokio::test]
+async fn a_token_route_never_fails_open() {
+    let up = upstream().await;
+    let store = SwitchStore::new();
+    let mut cfg = config(&up.url());
+    cfg.fail_open = true;
+    cfg.require_token = vec!["/orders".into()];
+    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
+    let c = client();
+    let t = token(&c, &gw, None).await;
+    store.set(Mode::Unavailable);
+    let r = post(&c, &gw.url("/orders"), Some(&t), "{}").await;
+    assert_problem(&r, 503, "store-unavailable");
+    assert_eq!(up.hits(), 0);
+    store.set(Mode::Healthy);
+    let r = post(&c, &gw.url("/orders"), Some(&t), "{}").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+}
