@@ -100,6 +100,17 @@ if [ -z "${IDEM_TEST_REDIS_URL:-}" ]; then
     "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save '' --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log" \
     redis-server
 fi
+# The message-consumer tests (crates/idem-mq/tests/{nats,amqp}_tests.rs,
+# examples/payments-consumer/tests) need NATS with JetStream and RabbitMQ.
+if [ -z "${IDEM_TEST_NATS_URL:-}" ]; then
+  need_service nats "timeout 2 bash -c '</dev/tcp/127.0.0.1/4222'" \
+    "start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log" \
+    nats-server
+fi
+if [ -z "${IDEM_TEST_AMQP_URL:-}" ]; then
+  need_service rabbitmq "timeout 2 bash -c '</dev/tcp/127.0.0.1/5672'" \
+    "rabbitmq-server -detached" rabbitmq-server
+fi
 # The Redis Cluster tests start their own redis-server processes.
 need_program redis-server redis-server
 need_program redis-cli redis-tools

@@ -28,12 +28,19 @@
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod common;
+pub mod inbox;
+pub mod lock;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod sqlite;
 
+pub mod patterns;
+
+pub use lock::LeaseLockBackend;
+#[cfg(feature = "postgres")]
+pub use lock::PgAdvisoryLockBackend;
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlOptions, MySqlStore};
 #[cfg(feature = "postgres")]

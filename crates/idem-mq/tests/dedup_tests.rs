@@ -1,0 +1,233 @@
+//! The store-based dedup ([`Dedup`]) without a broker: MemoryStore with a
+//! ManualClock for lease expiry (H2, second half), and the real Redis store
+//! (`IDEM_TEST_REDIS_URL`, default `redis://127.0.0.1:6379/`; unreachable →
+//! the test fails naming the start command).
+
+mod common;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{payment, redis_ledger, CountingCredit, Ledger};
+use idem_core::{ManualClock, MemoryStore, Millis};
+use idem_mq::{
+    Dedup, DedupError, DedupOptions, DedupOutcome, Message, MessageKey, Outcome, Processor,
+};
+
+fn key(consumer: &str, id: &str) -> MessageKey {
+    MessageKey::new(consumer, id).unwrap().with_stream("S")
+}
+
+fn msg(key: MessageKey) -> Message {
+    let id = key.raw_id().to_owned();
+    Message {
+        key: Some(key),
+        payload: payment(&id),
+        delivery_attempt: 1,
+    }
+}
+
+fn opts() -> DedupOptions {
+    DedupOptions {
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(3600),
+    }
+}
+
+#[tokio::test]
+async fn duplicate_is_skipped_and_failure_releases() {
+    let dedup = Dedup::new(MemoryStore::new()).with_options(opts());
+    let k = key("c", "m1");
+    let runs = AtomicU32::new(0);
+    let r: Result<DedupOutcome<()>, DedupError<&str>> = dedup
+        .run(&k, || async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Err("fail")
+        })
+        .await;
+    assert!(matches!(r, Err(DedupError::Handler("fail"))));
+    // Released: the redelivery runs.
+    let r = dedup
+        .run(&k, || async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, &str>(7)
+        })
+        .await
+        .unwrap();
+    assert_eq!(r, DedupOutcome::Applied(7));
+    let r = dedup
+        .run(&k, || async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, &str>(8)
+        })
+        .await
+        .unwrap();
+    assert_eq!(r, DedupOutcome::Duplicate);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert!(dedup.is_processed(&k).await.unwrap());
+}
+
+/// H2 (second half): a claim whose holder crashed is in flight until its
+/// lease ends (a duplicate then is left for redelivery, not run), and the
+/// next delivery after the lease processes it. Then retention: past it, a
+/// redelivery runs again (documented).
+#[tokio::test]
+async fn h2_expired_lease_is_processed_again_and_live_one_is_not() {
+    let clock = ManualClock::new(Millis(1_000_000));
+    let dedup =
+        Dedup::new(MemoryStore::new().with_clock(clock.clone())).with_options(DedupOptions {
+            lease: Duration::from_secs(10),
+            retention: Duration::from_secs(60),
+        });
+    let k = key("c", "crashy");
+    // The first consumer claims and "crashes" inside its handler: the
+    // future is dropped after begin, so neither complete nor release runs.
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let first = {
+        let (dedup, k) = (dedup.clone(), k.clone());
+        tokio::spawn(async move {
+            dedup
+                .run(&k, || async move {
+                    let _ = started_tx.send(());
+                    std::future::pending::<Result<(), &str>>().await
+                })
+                .await
+        })
+    };
+    started_rx.await.unwrap();
+    first.abort();
+    let _ = first.await;
+    // Lease live: in flight, the handler does not run.
+    let r = dedup
+        .run(&k, || async { Ok::<_, &str>("second") })
+        .await
+        .unwrap();
+    assert!(matches!(r, DedupOutcome::InFlight { retry_after } if retry_after > Duration::ZERO));
+    // Lease over: the next delivery processes it.
+    clock.advance(Duration::from_secs(11));
+    let r = dedup
+        .run(&k, || async { Ok::<_, &str>("third") })
+        .await
+        .unwrap();
+    assert_eq!(r, DedupOutcome::Applied("third"));
+    assert_eq!(
+        dedup
+            .run(&k, || async { Ok::<_, &str>("x") })
+            .await
+            .unwrap(),
+        DedupOutcome::Duplicate
+    );
+    // Past retention: forgotten, processed again.
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(
+        dedup
+            .run(&k, || async { Ok::<_, &str>("y") })
+            .await
+            .unwrap(),
+        DedupOutcome::Applied("y")
+    );
+}
+
+/// The same id in two partitions, or for two consumers, is two messages.
+#[tokio::test]
+async fn partitions_and_consumers_scope_ids() {
+    let dedup = Dedup::new(MemoryStore::new()).with_options(opts());
+    let p0 = MessageKey::new("c", "offset-5")
+        .unwrap()
+        .with_stream("orders")
+        .with_partition("0");
+    let p1 = MessageKey::new("c", "offset-5")
+        .unwrap()
+        .with_stream("orders")
+        .with_partition("1");
+    let other = MessageKey::new("d", "offset-5")
+        .unwrap()
+        .with_stream("orders")
+        .with_partition("0");
+    for k in [&p0, &p1, &other] {
+        assert_eq!(
+            dedup.run(k, || async { Ok::<_, &str>(()) }).await.unwrap(),
+            DedupOutcome::Applied(())
+        );
+    }
+    for k in [&p0, &p1, &other] {
+        assert_eq!(
+            dedup.run(k, || async { Ok::<_, &str>(()) }).await.unwrap(),
+            DedupOutcome::Duplicate
+        );
+    }
+}
+
+/// As a Processor: a handler that fails twice then succeeds → one effect;
+/// an id-less message let through (opt-in policy) runs without dedup.
+#[tokio::test]
+async fn processor_fails_twice_then_one_effect() {
+    let handler = CountingCredit::default();
+    handler.fail_first.store(2, Ordering::SeqCst);
+    let p = Dedup::new(MemoryStore::new())
+        .with_options(opts())
+        .with_handler(handler);
+    let m = msg(key("c", "pay-1"));
+    let mut outcomes = Vec::new();
+    for _ in 0..5 {
+        outcomes.push(match p.process(&m).await {
+            Outcome::Applied => "applied",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Failed(_) => "failed",
+            o => panic!("{o:?}"),
+        });
+    }
+    assert_eq!(
+        outcomes,
+        ["failed", "failed", "applied", "duplicate", "duplicate"]
+    );
+    assert_eq!(p.handler().effects.lock().unwrap()["pay-1"], 1);
+    let no_id = Message {
+        key: None,
+        payload: payment("pay-2"),
+        delivery_attempt: 1,
+    };
+    assert!(matches!(p.process(&no_id).await, Outcome::Applied));
+    assert!(matches!(p.process(&no_id).await, Outcome::Applied));
+    assert_eq!(
+        p.handler().effects.lock().unwrap()["pay-2"],
+        2,
+        "no dedup without an id, by choice"
+    );
+}
+
+/// Redis: N distinct messages plus duplicates, delivered concurrently →
+/// exactly N effects; every duplicate answered Duplicate or InFlight.
+#[tokio::test]
+async fn redis_n_messages_with_duplicates_give_n_effects() {
+    let ledger = Arc::new(redis_ledger().await);
+    let consumer = format!("c-{}", common::suffix());
+    let n: usize = 25;
+    let mut tasks = Vec::new();
+    for copy in 0..3 {
+        for i in 0..n {
+            if copy > 0 && i % 2 == 1 {
+                continue;
+            }
+            let (ledger, m) = (ledger.clone(), msg(key(&consumer, &format!("pay-{i}"))));
+            tasks.push(tokio::spawn(async move { ledger.process(&m).await }));
+        }
+    }
+    let (mut applied, mut skipped) = (0, 0);
+    let mut retry = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            Outcome::Applied => applied += 1,
+            Outcome::Duplicate => skipped += 1,
+            Outcome::InFlight { .. } => retry.push(()),
+            o => panic!("{o:?}"),
+        }
+    }
+    assert_eq!(applied, n);
+    assert_eq!(skipped + retry.len(), 2 * n.div_ceil(2));
+    let effects = ledger.effects().await;
+    assert_eq!(effects.len(), n);
+    assert!(effects.values().all(|&v| v == 1), "{effects:?}");
+    ledger.fail_next(0);
+}

@@ -1,0 +1,773 @@
+//! The transactional inbox: exactly-once *effect* for message consumers.
+//!
+//! A broker delivers at least once. To apply each message's effect once, the
+//! consumer records "processed" in the **same transaction** as the business
+//! writes, and acknowledges the message only after that transaction
+//! committed:
+//!
+//! ```text
+//! BEGIN
+//!   INSERT INTO idem_inbox (consumer, message_id, processed_at)   -- first statement
+//!     duplicate key (SQLSTATE 23505 / MySQL 1062 / SQLite 1555|2067)
+//!       → ROLLBACK, the message was processed before: ack it, skip the handler
+//!   … the handler's business writes, on the same transaction …
+//! COMMIT                                                           -- effect + inbox row, or neither
+//! ack                                                              -- only now
+//! ```
+//!
+//! Crash windows: a crash before `COMMIT` leaves neither the effect nor the
+//! row, so the redelivery applies the message once; a crash between `COMMIT`
+//! and the ack leaves both, so the redelivery finds the row and is acked
+//! without running the handler. **This is the path to use for money**: the
+//! store-based dedup of `idem-mq` keeps its record in a different place than
+//! the effect, so a crash between the two can lose or repeat an effect.
+//!
+//! The inbox row is inserted *first*. On PostgreSQL a failed statement aborts
+//! the whole transaction, so nothing has been written yet when the duplicate
+//! is found and the transaction is simply rolled back (no savepoint needed).
+//! A concurrent copy of the same message blocks on the first copy's
+//! uncommitted row until that transaction ends (all three databases), then
+//! sees the duplicate (committed) or inserts (rolled back). Duplicates are
+//! recognised by error code, never by message text (PostgreSQL localises its
+//! messages). On MySQL/MariaDB a deadlock (1213) or lock-wait timeout (1205)
+//! on the inbox insert, on PostgreSQL a deadlock (40P01) or serialization
+//! failure (40001), and on SQLite `SQLITE_BUSY` are retried
+//! ([`InboxOptions::retries`] times).
+//!
+//! **Retention.** Rows are kept until [`Inbox::purge_older_than`] removes
+//! them. A redelivery that arrives after its row was purged **is processed
+//! again**: the window must exceed the broker's longest redelivery horizon
+//! (NATS `max_deliver × ack_wait` plus back-off, a RabbitMQ queue's message
+//! TTL or dead-letter round trips, a publisher's retry horizon).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_sql::inbox::{Claim, Inbox};
+//!
+//! let pool = sqlx::SqlitePool::connect("sqlite::memory:").await?;
+//! sqlx::query("CREATE TABLE credits (payment_id TEXT, cents INTEGER)").execute(&pool).await?;
+//! let inbox = Inbox::new(pool.clone());
+//! inbox.migrate().await?;
+//!
+//! for _delivery in 0..2 {
+//!     match inbox.claim("payments", "pay-1").await? {
+//!         Claim::New(mut tx) => {
+//!             sqlx::query("INSERT INTO credits VALUES ('pay-1', 500)").execute(&mut **tx).await?;
+//!             tx.commit().await?; // effect + inbox row in one commit; ack after this
+//!         }
+//!         Claim::Duplicate => { /* processed before: ack without running the handler */ }
+//!     }
+//! }
+//! let n: i64 = sqlx::query_scalar("SELECT count(*) FROM credits").fetch_one(&pool).await?;
+//! assert_eq!(n, 1);
+//! # Ok(()) }
+//! ```
+
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+use std::pin::Pin;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::{Pool, Transaction};
+
+/// The default inbox table name.
+pub const DEFAULT_TABLE: &str = "idem_inbox";
+
+/// Longest consumer name and message id accepted, in bytes (the columns are
+/// `VARCHAR(255)` on MySQL). Hash longer ids first (`idem-mq` does).
+pub const MAX_ID_LEN: usize = 255;
+
+/// Longest table-name part (PostgreSQL's `NAMEDATALEN - 1`).
+const MAX_IDENT_LEN: usize = 63;
+
+/// Why the inbox could not answer. The driver's error is kept as the
+/// [`source`](std::error::Error::source).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InboxError {
+    /// The table name is not `[A-Za-z_][A-Za-z0-9_]{0,62}`, optionally
+    /// `schema.table`. Nothing was sent.
+    #[error(
+        "inbox table name {0:?} is not a plain identifier: use 1 to 63 characters of \
+         [A-Za-z0-9_], not starting with a digit (optionally schema.table)"
+    )]
+    InvalidTable(String),
+    /// A consumer name or message id is empty or longer than [`MAX_ID_LEN`] bytes.
+    #[error("{what} is {len} bytes long; it must be 1 to 255 bytes")]
+    InvalidId {
+        /// `"consumer"` or `"message id"`.
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The database refused or could not be reached. After a failed
+    /// `commit` the outcome is unknown: do not ack; the redelivery finds the
+    /// row (committed) or applies the message (not committed).
+    #[error("inbox {op} failed")]
+    Database {
+        /// `"begin"`, `"insert"`, `"commit"`, `"rollback"`, `"migrate"`, `"purge"`, `"lookup"`.
+        op: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+impl InboxError {
+    fn db(op: &'static str) -> impl FnOnce(sqlx::Error) -> Self {
+        move |source| Self::Database { op, source }
+    }
+}
+
+/// The error of [`Inbox::process`]: the inbox's own, or the handler's.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcessError<E> {
+    /// The inbox failed (the handler may or may not have run; nothing is
+    /// known to be committed unless the op is `"commit"`, where the outcome
+    /// is unknown). Do not ack.
+    #[error(transparent)]
+    Inbox(#[from] InboxError),
+    /// The handler failed; its transaction was rolled back, the inbox row
+    /// with it. Do not ack: the redelivery runs the handler again.
+    #[error("message handler failed")]
+    Handler(#[source] E),
+}
+
+/// The answer of [`Inbox::process`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Processed<T> {
+    /// The handler ran and its writes committed together with the inbox row.
+    Applied(T),
+    /// The message was processed before (its row is in the inbox): the
+    /// handler did not run. Ack it.
+    Duplicate,
+}
+
+/// The answer of [`Inbox::claim`].
+#[derive(Debug)]
+pub enum Claim<DB: InboxDatabase> {
+    /// The inbox row is inserted, uncommitted, in this open transaction: run
+    /// the business writes on it, then [`InboxTx::commit`], then ack.
+    /// Dropping it rolls back (the row with it).
+    New(InboxTx<DB>),
+    /// The message was processed before: ack it without running the handler.
+    Duplicate,
+}
+
+/// An open transaction that holds a new inbox row. Derefs to the sqlx
+/// [`Transaction`]: run the handler's writes with `&mut **tx`.
+#[derive(Debug)]
+pub struct InboxTx<DB: InboxDatabase> {
+    tx: Transaction<'static, DB>,
+}
+
+impl<DB: InboxDatabase> InboxTx<DB> {
+    /// Commits the business writes and the inbox row together. Ack the
+    /// message only after this returned `Ok`.
+    ///
+    /// # Errors
+    /// [`InboxError::Database`] with op `"commit"`: the outcome is unknown; do not ack.
+    pub async fn commit(self) -> Result<(), InboxError> {
+        self.tx.commit().await.map_err(InboxError::db("commit"))
+    }
+
+    /// Rolls back the business writes and the inbox row.
+    ///
+    /// # Errors
+    /// [`InboxError::Database`] with op `"rollback"` (the database rolls
+    /// back by itself when the connection goes).
+    pub async fn rollback(self) -> Result<(), InboxError> {
+        self.tx.rollback().await.map_err(InboxError::db("rollback"))
+    }
+}
+
+impl<DB: InboxDatabase> Deref for InboxTx<DB> {
+    type Target = Transaction<'static, DB>;
+    fn deref(&self) -> &Self::Target {
+        &self.tx
+    }
+}
+
+impl<DB: InboxDatabase> DerefMut for InboxTx<DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.tx
+    }
+}
+
+/// Settings of an [`Inbox`].
+#[derive(Debug, Clone)]
+pub struct InboxOptions {
+    /// The table, `[A-Za-z_][A-Za-z0-9_]{0,62}` optionally `schema.table`.
+    /// Default [`DEFAULT_TABLE`] (`idem_inbox`).
+    pub table: String,
+    /// How many times a deadlock / lock-wait timeout / busy database on the
+    /// inbox insert is retried (a new transaction each time). Default 5.
+    pub retries: u32,
+}
+
+impl Default for InboxOptions {
+    fn default() -> Self {
+        Self {
+            table: DEFAULT_TABLE.to_owned(),
+            retries: 5,
+        }
+    }
+}
+
+impl InboxOptions {
+    /// Sets [`Self::table`].
+    pub fn with_table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Sets [`Self::retries`].
+    pub fn with_retries(mut self, retries: u32) -> Self {
+        self.retries = retries;
+        self
+    }
+}
+
+/// A future the handler of [`Inbox::process`] returns, borrowing the transaction.
+pub type TxFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 't>>;
+
+/// The transactional inbox over a sqlx pool: SQLite
+/// (`Inbox<sqlx::Sqlite>`), PostgreSQL (`Inbox<sqlx::Postgres>`, feature
+/// `postgres`), MySQL/MariaDB (`Inbox<sqlx::MySql>`, feature `mysql`).
+/// See the [module docs](self) for the protocol and its guarantees.
+///
+/// Table (created by [`Inbox::migrate`]): `consumer` (≤ 255 bytes),
+/// `message_id` (≤ 255 bytes), `processed_at` (store time: PostgreSQL
+/// `timestamptz`, MySQL `DATETIME(3)` UTC, SQLite integer ms since the
+/// epoch); primary key `(consumer, message_id)`, compared byte for byte
+/// (MySQL collation `utf8mb4_bin`); an index on `processed_at` for purges.
+#[derive(Debug, Clone)]
+pub struct Inbox<DB: InboxDatabase> {
+    pool: Pool<DB>,
+    sql: Statements,
+    retries: u32,
+}
+
+#[derive(Debug, Clone)]
+#[doc(hidden)]
+pub struct Statements {
+    migrate: Vec<String>,
+    insert: String,
+    exists: String,
+    purge: String,
+}
+
+impl<DB: InboxDatabase> Inbox<DB> {
+    /// An inbox on table [`DEFAULT_TABLE`]. Call [`Self::migrate`] once.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self::with_options(pool, InboxOptions::default()).expect("the default table name is valid")
+    }
+
+    /// An inbox with these options.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidTable`] for a bad table name (nothing is sent).
+    pub fn with_options(pool: Pool<DB>, options: InboxOptions) -> Result<Self, InboxError> {
+        let parts = split_table(&options.table)?;
+        Ok(Self {
+            pool,
+            sql: DB::statements(&parts),
+            retries: options.retries,
+        })
+    }
+
+    /// The pool (for the handler's own reads, or tests).
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// Creates the table and its index if missing (idempotent).
+    ///
+    /// # Errors
+    /// [`InboxError::Database`] (op `"migrate"`).
+    pub async fn migrate(&self) -> Result<(), InboxError> {
+        for stmt in &self.sql.migrate {
+            DB::execute(&self.pool, stmt)
+                .await
+                .map_err(InboxError::db("migrate"))?;
+        }
+        Ok(())
+    }
+
+    /// Opens a transaction and inserts the inbox row `(consumer, message_id)`
+    /// as its first statement: [`Claim::New`] with the open transaction, or
+    /// [`Claim::Duplicate`] when the row exists (committed by an earlier
+    /// delivery). Waits while another transaction holds the same row
+    /// uncommitted.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidId`] for an empty or over-long consumer or id;
+    /// [`InboxError::Database`] when the database fails (after
+    /// [`InboxOptions::retries`] retries of deadlocks / busy errors).
+    pub async fn claim(&self, consumer: &str, message_id: &str) -> Result<Claim<DB>, InboxError> {
+        check_id("consumer", consumer)?;
+        check_id("message id", message_id)?;
+        let mut attempt = 0u32;
+        loop {
+            let mut tx = DB::begin(&self.pool)
+                .await
+                .map_err(InboxError::db("begin"))?;
+            match DB::insert(&mut tx, &self.sql.insert, consumer, message_id).await {
+                Ok(()) => return Ok(Claim::New(InboxTx { tx })),
+                Err(e) if DB::is_duplicate(&e) => {
+                    // Nothing was written; on PostgreSQL the transaction is
+                    // aborted anyway. A failed rollback only drops the connection.
+                    let _ = tx.rollback().await;
+                    return Ok(Claim::Duplicate);
+                }
+                Err(e) if DB::is_retryable(&e) && attempt < self.retries => {
+                    let _ = tx.rollback().await;
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(5 * u64::from(attempt))).await;
+                }
+                Err(e) => return Err(InboxError::db("insert")(e)),
+            }
+        }
+    }
+
+    /// Runs `handler` on the transaction that holds the new inbox row and
+    /// commits both; skips it for a message processed before.
+    ///
+    /// The handler gets `&mut Transaction` and returns a boxed future:
+    /// `|tx| Box::pin(async move { sqlx::query(…).execute(&mut **tx).await?; Ok(()) })`
+    /// (move owned values into it; the future may borrow only the transaction).
+    ///
+    /// # Errors
+    /// [`ProcessError::Handler`] when the handler failed (rolled back, the
+    /// inbox row with it: do not ack, the redelivery runs it again);
+    /// [`ProcessError::Inbox`] as for [`Self::claim`] and
+    /// [`InboxTx::commit`].
+    pub async fn process<T, E, F>(
+        &self,
+        consumer: &str,
+        message_id: &str,
+        handler: F,
+    ) -> Result<Processed<T>, ProcessError<E>>
+    where
+        F: for<'t> FnOnce(&'t mut Transaction<'static, DB>) -> TxFuture<'t, T, E>,
+    {
+        match self.claim(consumer, message_id).await? {
+            Claim::Duplicate => Ok(Processed::Duplicate),
+            Claim::New(mut tx) => match handler(&mut tx.tx).await {
+                Ok(v) => {
+                    tx.commit().await?;
+                    Ok(Processed::Applied(v))
+                }
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    Err(ProcessError::Handler(e))
+                }
+            },
+        }
+    }
+
+    /// Whether `(consumer, message_id)` has a committed inbox row.
+    ///
+    /// # Errors
+    /// [`InboxError::InvalidId`]; [`InboxError::Database`] (op `"lookup"`).
+    pub async fn is_processed(&self, consumer: &str, message_id: &str) -> Result<bool, InboxError> {
+        check_id("consumer", consumer)?;
+        check_id("message id", message_id)?;
+        DB::exists(&self.pool, &self.sql.exists, consumer, message_id)
+            .await
+            .map_err(InboxError::db("lookup"))
+    }
+
+    /// Deletes the rows processed more than `age` ago (by the database's
+    /// clock, millisecond precision) and returns how many. A redelivery of a
+    /// purged message is processed **again**: keep `age` above the broker's
+    /// longest redelivery horizon.
+    ///
+    /// # Errors
+    /// [`InboxError::Database`] (op `"purge"`).
+    pub async fn purge_older_than(&self, age: Duration) -> Result<u64, InboxError> {
+        let ms = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
+        DB::purge(&self.pool, &self.sql.purge, ms)
+            .await
+            .map_err(InboxError::db("purge"))
+    }
+}
+
+fn check_id(what: &'static str, s: &str) -> Result<(), InboxError> {
+    if s.is_empty() || s.len() > MAX_ID_LEN {
+        return Err(InboxError::InvalidId { what, len: s.len() });
+    }
+    Ok(())
+}
+
+fn is_ident(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && name.len() <= MAX_IDENT_LEN
+}
+
+/// `table` or `schema.table`, each part a plain identifier.
+fn split_table(table: &str) -> Result<Vec<String>, InboxError> {
+    let parts: Vec<String> = table.split('.').map(str::to_owned).collect();
+    if parts.len() > 2 || !parts.iter().all(|p| is_ident(p)) {
+        return Err(InboxError::InvalidTable(table.to_owned()));
+    }
+    Ok(parts)
+}
+
+/// `parts` quoted with `q` and joined by `.` (parts passed `is_ident`: no
+/// quote character can occur in them).
+fn quoted(parts: &[String], q: char) -> String {
+    parts
+        .iter()
+        .map(|p| format!("{q}{p}{q}"))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A database the inbox runs on: `sqlx::Sqlite`, `sqlx::Postgres`,
+/// `sqlx::MySql`. Sealed; its methods are the per-dialect statements.
+#[async_trait]
+pub trait InboxDatabase: sqlx::Database + sealed::Sealed {
+    #[doc(hidden)]
+    fn statements(table: &[String]) -> Statements;
+    #[doc(hidden)]
+    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error>;
+    #[doc(hidden)]
+    async fn execute(pool: &Pool<Self>, sql: &str) -> Result<(), sqlx::Error>;
+    #[doc(hidden)]
+    async fn insert(
+        tx: &mut Transaction<'static, Self>,
+        sql: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<(), sqlx::Error>;
+    #[doc(hidden)]
+    async fn exists(
+        pool: &Pool<Self>,
+        sql: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<bool, sqlx::Error>;
+    #[doc(hidden)]
+    async fn purge(pool: &Pool<Self>, sql: &str, age_ms: i64) -> Result<u64, sqlx::Error>;
+    /// The duplicate-key error of the inbox insert, by code.
+    #[doc(hidden)]
+    fn is_duplicate(e: &sqlx::Error) -> bool;
+    /// A deadlock / busy / serialization error after which a new attempt may succeed.
+    #[doc(hidden)]
+    fn is_retryable(e: &sqlx::Error) -> bool;
+}
+
+fn db_code(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+impl sealed::Sealed for sqlx::Sqlite {}
+
+#[async_trait]
+impl InboxDatabase for sqlx::Sqlite {
+    fn statements(table: &[String]) -> Statements {
+        let t = quoted(table, '"');
+        let name = table.last().expect("one part at least");
+        let index = match table {
+            [schema, _] => format!("\"{schema}\".\"{name}_processed_at\""),
+            _ => format!("\"{name}_processed_at\""),
+        };
+        let now_ms = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+        Statements {
+            migrate: vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL, \
+                     processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id)) WITHOUT ROWID"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {index} ON \"{name}\" (processed_at)"),
+            ],
+            insert: format!("INSERT INTO {t} (consumer, message_id, processed_at) VALUES (?1, ?2, {now_ms})"),
+            exists: format!("SELECT 1 FROM {t} WHERE consumer = ?1 AND message_id = ?2"),
+            purge: format!("DELETE FROM {t} WHERE processed_at < {now_ms} - ?1"),
+        }
+    }
+
+    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        // IMMEDIATE: take the write lock up front (waited for by the busy
+        // timeout) rather than upgrading a read lock later.
+        pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn execute(pool: &Pool<Self>, sql: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sql).execute(pool).await.map(|_| ())
+    }
+
+    async fn insert(
+        tx: &mut Transaction<'static, Self>,
+        sql: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(sql)
+            .bind(consumer)
+            .bind(id)
+            .execute(&mut **tx)
+            .await
+            .map(|_| ())
+    }
+
+    async fn exists(
+        pool: &Pool<Self>,
+        sql: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let row = sqlx::query(sql)
+            .bind(consumer)
+            .bind(id)
+            .fetch_optional(pool)
+            .await?;
+        Ok(row.is_some())
+    }
+
+    async fn purge(pool: &Pool<Self>, sql: &str, age_ms: i64) -> Result<u64, sqlx::Error> {
+        Ok(sqlx::query(sql)
+            .bind(age_ms)
+            .execute(pool)
+            .await?
+            .rows_affected())
+    }
+
+    fn is_duplicate(e: &sqlx::Error) -> bool {
+        // SQLITE_CONSTRAINT_PRIMARYKEY (1555), SQLITE_CONSTRAINT_UNIQUE (2067):
+        // extended result codes, which sqlx reports as the code.
+        matches!(db_code(e).as_deref(), Some("1555" | "2067"))
+    }
+
+    fn is_retryable(e: &sqlx::Error) -> bool {
+        // SQLITE_BUSY (5) and its extended forms (…5 mod 256), SQLITE_LOCKED (6).
+        db_code(e)
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|c| matches!(c & 0xff, 5 | 6))
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl sealed::Sealed for sqlx::Postgres {}
+
+#[cfg(feature = "postgres")]
+#[async_trait]
+impl InboxDatabase for sqlx::Postgres {
+    fn statements(table: &[String]) -> Statements {
+        let t = quoted(table, '"');
+        let name = table.last().expect("one part at least");
+        Statements {
+            migrate: vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL, \
+                     processed_at TIMESTAMPTZ NOT NULL DEFAULT now(), PRIMARY KEY (consumer, message_id))"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS \"{name}_processed_at\" ON {t} (processed_at)"),
+            ],
+            insert: format!("INSERT INTO {t} (consumer, message_id, processed_at) VALUES ($1, $2, now())"),
+            exists: format!("SELECT 1 FROM {t} WHERE consumer = $1 AND message_id = $2"),
+            purge: format!(
+                "DELETE FROM {t} WHERE processed_at < now() - make_interval(secs => $1::float8 / 1000)"
+            ),
+        }
+    }
+
+    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        pool.begin().await
+    }
+
+    async fn execute(pool: &Pool<Self>, sql: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sql).execute(pool).await.map(|_| ())
+    }
+
+    async fn insert(
+        tx: &mut Transaction<'static, Self>,
+        sql: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(sql)
+            .bind(consumer)
+            .bind(id)
+            .execute(&mut **tx)
+            .await
+            .map(|_| ())
+    }
+
+    async fn exists(
+        pool: &Pool<Self>,
+        sql: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let row = sqlx::query(sql)
+            .bind(consumer)
+            .bind(id)
+            .fetch_optional(pool)
+            .await?;
+        Ok(row.is_some())
+    }
+
+    async fn purge(pool: &Pool<Self>, sql: &str, age_ms: i64) -> Result<u64, sqlx::Error> {
+        Ok(sqlx::query(sql)
+            .bind(age_ms)
+            .execute(pool)
+            .await?
+            .rows_affected())
+    }
+
+    fn is_duplicate(e: &sqlx::Error) -> bool {
+        // unique_violation
+        db_code(e).as_deref() == Some("23505")
+    }
+
+    fn is_retryable(e: &sqlx::Error) -> bool {
+        // serialization_failure, deadlock_detected
+        matches!(db_code(e).as_deref(), Some("40001" | "40P01"))
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl sealed::Sealed for sqlx::MySql {}
+
+#[cfg(feature = "mysql")]
+fn mysql_errno(e: &sqlx::Error) -> Option<u16> {
+    match e {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .map(|m| m.number()),
+        _ => None,
+    }
+}
+
+#[cfg(feature = "mysql")]
+#[async_trait]
+impl InboxDatabase for sqlx::MySql {
+    fn statements(table: &[String]) -> Statements {
+        let t = quoted(table, '`');
+        let name = table.last().expect("one part at least");
+        Statements {
+            migrate: vec![format!(
+                "CREATE TABLE IF NOT EXISTS {t} (consumer VARCHAR(255) NOT NULL, \
+                 message_id VARCHAR(255) NOT NULL, processed_at DATETIME(3) NOT NULL, \
+                 PRIMARY KEY (consumer, message_id), KEY `{name}_processed_at` (processed_at)) \
+                 ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+            )],
+            insert: format!(
+                "INSERT INTO {t} (consumer, message_id, processed_at) VALUES (?, ?, UTC_TIMESTAMP(3))"
+            ),
+            exists: format!("SELECT 1 FROM {t} WHERE consumer = ? AND message_id = ?"),
+            purge: format!(
+                "DELETE FROM {t} WHERE processed_at < UTC_TIMESTAMP(3) - INTERVAL ? MICROSECOND"
+            ),
+        }
+    }
+
+    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        pool.begin().await
+    }
+
+    async fn execute(pool: &Pool<Self>, sql: &str) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(sql).execute(pool).await.map(|_| ())
+    }
+
+    async fn insert(
+        tx: &mut Transaction<'static, Self>,
+        sql: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(sql)
+            .bind(consumer)
+            .bind(id)
+            .execute(&mut **tx)
+            .await
+            .map(|_| ())
+    }
+
+    async fn exists(
+        pool: &Pool<Self>,
+        sql: &str,
+        consumer: &str,
+        id: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let row = sqlx::query(sql)
+            .bind(consumer)
+            .bind(id)
+            .fetch_optional(pool)
+            .await?;
+        Ok(row.is_some())
+    }
+
+    async fn purge(pool: &Pool<Self>, sql: &str, age_ms: i64) -> Result<u64, sqlx::Error> {
+        let micros = age_ms.saturating_mul(1000);
+        Ok(sqlx::query(sql)
+            .bind(micros)
+            .execute(pool)
+            .await?
+            .rows_affected())
+    }
+
+    fn is_duplicate(e: &sqlx::Error) -> bool {
+        // ER_DUP_ENTRY
+        mysql_errno(e) == Some(1062)
+    }
+
+    fn is_retryable(e: &sqlx::Error) -> bool {
+        // ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT
+        matches!(mysql_errno(e), Some(1213 | 1205))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_validated() {
+        assert!(split_table("idem_inbox").is_ok());
+        assert_eq!(split_table("app.inbox_1").unwrap().len(), 2);
+        for bad in [
+            "",
+            "1abc",
+            "a-b",
+            "a.b.c",
+            "x; DROP TABLE y",
+            "\"q\"",
+            &"a".repeat(64),
+        ] {
+            assert!(
+                matches!(split_table(bad), Err(InboxError::InvalidTable(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn ids_are_bounded() {
+        assert!(check_id("consumer", "c").is_ok());
+        assert!(matches!(
+            check_id("consumer", ""),
+            Err(InboxError::InvalidId { len: 0, .. })
+        ));
+        assert!(matches!(
+            check_id("message id", &"x".repeat(256)),
+            Err(InboxError::InvalidId { len: 256, .. })
+        ));
+    }
+}

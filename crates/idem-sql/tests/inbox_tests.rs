@@ -1,0 +1,565 @@
+//! The transactional inbox (`idem_sql::inbox`) against SQLite (a temp file),
+//! PostgreSQL and MySQL/MariaDB (real servers; unreachable → the test
+//! FAILS naming the start command). Each test uses its own random inbox and
+//! business tables and drops them at the end.
+//!
+//! Servers: `IDEM_TEST_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`), `IDEM_TEST_MYSQL_URL`
+//! (default `mysql://root@127.0.0.1:3306/test`).
+//!
+//! CASES.md section H: H1 (a duplicate recognised by error code, under a
+//! non-English `lc_messages` on PostgreSQL where the OS has such a locale),
+//! H2 (committed, ack lost → the redelivery is a duplicate), H3 (a failing
+//! handler commits neither its effect nor the inbox row).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_sql::inbox::{Claim, Inbox, InboxError, InboxOptions, ProcessError, Processed};
+
+/// Commits a claim that must be new.
+async fn commit_new<DB: idem_sql::inbox::InboxDatabase>(claim: Claim<DB>) {
+    match claim {
+        Claim::New(tx) => tx.commit().await.expect("commit"),
+        Claim::Duplicate => panic!("expected a new claim"),
+    }
+}
+
+fn suffix() -> String {
+    idem_testkit::support::random_hex(10)
+}
+
+/// Fails (never skips) with the start command when the server is down.
+fn unreachable(what: &str, url: &str, e: &sqlx::Error, start: &str) -> ! {
+    panic!(
+        "{what} at {url} is not reachable ({e}).\nThese tests need the real server. Start it with:\n    {start}\n\
+         (or point the URL variable at another server)"
+    )
+}
+
+/// The scenarios, for one database: `$setup` is an async expression giving
+/// `(Inbox<$db>, credits_table_name)`; `$ins` inserts a credit
+/// `(payment_id, cents)`; `$drop` drops a table.
+macro_rules! scenarios {
+    ($db:ty, $setup:expr, $ins:literal, $drop:literal) => {
+        use super::*;
+
+        type Db = $db;
+
+        async fn credit(
+            tx: &mut sqlx::Transaction<'static, Db>,
+            credits: &str,
+            id: &str,
+        ) -> Result<(), sqlx::Error> {
+            sqlx::query(&format!($ins, credits))
+                .bind(id.to_owned())
+                .bind(500_i64)
+                .execute(&mut **tx)
+                .await
+                .map(|_| ())
+        }
+
+        async fn effects(inbox: &Inbox<Db>, credits: &str, id: Option<&str>) -> i64 {
+            let sql = match id {
+                Some(id) => format!("SELECT count(*) FROM {credits} WHERE payment_id = '{id}'"),
+                None => format!("SELECT count(*) FROM {credits}"),
+            };
+            sqlx::query_scalar::<_, i64>(&sql)
+                .fetch_one(inbox.pool())
+                .await
+                .expect("count")
+        }
+
+        async fn cleanup(inbox: &Inbox<Db>, tables: &[&str]) {
+            for t in tables {
+                sqlx::query(&format!($drop, t))
+                    .execute(inbox.pool())
+                    .await
+                    .expect("drop");
+            }
+        }
+
+        /// One delivery through `process`: credits `id` once.
+        async fn deliver(inbox: &Inbox<Db>, credits: &str, id: &str) -> Processed<()> {
+            let (credits, idc) = (credits.to_owned(), id.to_owned());
+            inbox
+                .process("payments", id, move |tx| {
+                    Box::pin(async move { credit(tx, &credits, &idc).await })
+                })
+                .await
+                .expect("process")
+        }
+
+        #[tokio::test]
+        async fn n_messages_with_injected_duplicates_give_n_effects() {
+            let (inbox, credits, table) = $setup.await;
+            let n = 20;
+            let mut applied = 0;
+            let mut dups = 0;
+            // Each id delivered 1–3 times, interleaved.
+            for round in 0..3 {
+                for i in 0..n {
+                    if round > 0 && i % (round + 1) != 0 {
+                        continue;
+                    }
+                    match deliver(&inbox, &credits, &format!("pay-{i}")).await {
+                        Processed::Applied(()) => applied += 1,
+                        Processed::Duplicate => dups += 1,
+                    }
+                }
+            }
+            assert_eq!(applied, n);
+            assert!(dups > 0);
+            assert_eq!(effects(&inbox, &credits, None).await, n as i64);
+            for i in 0..n {
+                assert_eq!(
+                    effects(&inbox, &credits, Some(&format!("pay-{i}"))).await,
+                    1
+                );
+                assert!(inbox
+                    .is_processed("payments", &format!("pay-{i}"))
+                    .await
+                    .unwrap());
+            }
+            cleanup(&inbox, &[&credits, &table]).await;
+        }
+
+        #[tokio::test]
+        async fn concurrent_copies_apply_once() {
+            let (inbox, credits, table) = $setup.await;
+            let inbox = Arc::new(inbox);
+            let tasks: Vec<_> = (0..6)
+                .map(|_| {
+                    let (inbox, credits) = (inbox.clone(), credits.clone());
+                    tokio::spawn(async move { deliver(&inbox, &credits, "same").await })
+                })
+                .collect();
+            let mut applied = 0;
+            for t in tasks {
+                if t.await.unwrap() == Processed::Applied(()) {
+                    applied += 1;
+                }
+            }
+            assert_eq!(applied, 1);
+            assert_eq!(effects(&inbox, &credits, Some("same")).await, 1);
+            cleanup(&inbox, &[&credits, &table]).await;
+        }
+
+        /// H3: the handler wrote its effect, then failed → neither the
+        /// effect nor the inbox row is committed; the redelivery applies once.
+        #[tokio::test]
+        async fn h3_failing_handler_commits_neither_effect_nor_row() {
+            let (inbox, credits, table) = $setup.await;
+            let c = credits.clone();
+            let r = inbox
+                .process("payments", "p1", move |tx| {
+                    Box::pin(async move {
+                        credit(tx, &c, "p1").await.expect("write");
+                        Err::<(), _>("boom after the business write")
+                    })
+                })
+                .await;
+            assert!(matches!(
+                r,
+                Err(ProcessError::Handler("boom after the business write"))
+            ));
+            assert_eq!(effects(&inbox, &credits, Some("p1")).await, 0);
+            assert!(!inbox.is_processed("payments", "p1").await.unwrap());
+            assert_eq!(
+                deliver(&inbox, &credits, "p1").await,
+                Processed::Applied(())
+            );
+            assert_eq!(effects(&inbox, &credits, Some("p1")).await, 1);
+            cleanup(&inbox, &[&credits, &table]).await;
+        }
+
+        #[tokio::test]
+        async fn fails_twice_then_succeeds_one_effect() {
+            let (inbox, credits, table) = $setup.await;
+            let attempts = Arc::new(AtomicU32::new(0));
+            let mut outcomes = Vec::new();
+            for _ in 0..5 {
+                let (c, a) = (credits.clone(), attempts.clone());
+                let r = inbox
+                    .process("payments", "flaky", move |tx| {
+                        Box::pin(async move {
+                            credit(tx, &c, "flaky").await.expect("write");
+                            if a.fetch_add(1, Ordering::SeqCst) < 2 {
+                                return Err("transient");
+                            }
+                            Ok(())
+                        })
+                    })
+                    .await;
+                outcomes.push(match r {
+                    Ok(Processed::Applied(())) => "applied",
+                    Ok(Processed::Duplicate) => "duplicate",
+                    Err(ProcessError::Handler(_)) => "failed",
+                    Err(e) => panic!("{e:?}"),
+                });
+            }
+            assert_eq!(
+                outcomes,
+                ["failed", "failed", "applied", "duplicate", "duplicate"]
+            );
+            assert_eq!(attempts.load(Ordering::SeqCst), 3);
+            assert_eq!(effects(&inbox, &credits, Some("flaky")).await, 1);
+            cleanup(&inbox, &[&credits, &table]).await;
+        }
+
+        /// A crash before commit (the transaction dropped) → the redelivery
+        /// applies once; a crash between commit and ack (H2) → the
+        /// redelivery is a duplicate and the handler does not run.
+        #[tokio::test]
+        async fn crash_windows() {
+            let (inbox, credits, table) = $setup.await;
+            // Before commit.
+            match inbox.claim("payments", "c1").await.unwrap() {
+                Claim::New(mut tx) => {
+                    credit(&mut tx, &credits, "c1").await.unwrap();
+                    drop(tx); // the consumer died: no commit, no ack
+                }
+                Claim::Duplicate => panic!("fresh id"),
+            }
+            assert_eq!(
+                deliver(&inbox, &credits, "c1").await,
+                Processed::Applied(())
+            );
+            // After commit, before ack.
+            match inbox.claim("payments", "c2").await.unwrap() {
+                Claim::New(mut tx) => {
+                    credit(&mut tx, &credits, "c2").await.unwrap();
+                    tx.commit().await.unwrap(); // … and the ack is lost
+                }
+                Claim::Duplicate => panic!("fresh id"),
+            }
+            assert_eq!(deliver(&inbox, &credits, "c2").await, Processed::Duplicate);
+            assert_eq!(effects(&inbox, &credits, Some("c1")).await, 1);
+            assert_eq!(effects(&inbox, &credits, Some("c2")).await, 1);
+            cleanup(&inbox, &[&credits, &table]).await;
+        }
+
+        /// Consumers are separate namespaces; purge forgets old rows, and a
+        /// redelivery after the purge is processed again (documented).
+        #[tokio::test]
+        async fn consumers_are_separate_and_purge_forgets() {
+            let (inbox, credits, table) = $setup.await;
+            commit_new(inbox.claim("a", "m").await.unwrap()).await;
+            commit_new(inbox.claim("b", "m").await.unwrap()).await;
+            assert!(matches!(
+                inbox.claim("a", "m").await.unwrap(),
+                Claim::Duplicate
+            ));
+            assert!(
+                matches!(inbox.claim("a", "M").await.unwrap(), Claim::New(_)),
+                "ids compare byte for byte"
+            );
+            assert_eq!(
+                inbox
+                    .purge_older_than(Duration::from_secs(3600))
+                    .await
+                    .unwrap(),
+                0
+            );
+            tokio::time::sleep(Duration::from_millis(1100)).await;
+            assert_eq!(
+                inbox
+                    .purge_older_than(Duration::from_millis(500))
+                    .await
+                    .unwrap(),
+                2
+            );
+            assert!(
+                matches!(inbox.claim("a", "m").await.unwrap(), Claim::New(_)),
+                "past retention: processed again"
+            );
+            cleanup(&inbox, &[&credits, &table]).await;
+        }
+
+        #[tokio::test]
+        async fn bad_input_is_typed() {
+            let (inbox, credits, table) = $setup.await;
+            assert!(matches!(
+                inbox.claim("", "m").await,
+                Err(InboxError::InvalidId {
+                    what: "consumer",
+                    len: 0
+                })
+            ));
+            assert!(matches!(
+                inbox.claim("c", &"x".repeat(256)).await,
+                Err(InboxError::InvalidId {
+                    what: "message id",
+                    len: 256
+                })
+            ));
+            let bad = Inbox::with_options(
+                inbox.pool().clone(),
+                InboxOptions::default().with_table("x; DROP TABLE y"),
+            );
+            assert!(matches!(bad, Err(InboxError::InvalidTable(_))));
+            // migrate is idempotent
+            inbox.migrate().await.unwrap();
+            cleanup(&inbox, &[&credits, &table]).await;
+        }
+    };
+}
+
+mod sqlite {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+
+    async fn setup() -> (Inbox<sqlx::Sqlite>, String, String) {
+        // A file (not :memory:) so concurrent transactions really contend.
+        let dir = Box::leak(Box::new(tempfile::tempdir().expect("tempdir")));
+        let opts = SqliteConnectOptions::new()
+            .filename(dir.path().join("inbox.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(opts)
+            .await
+            .expect("sqlite");
+        let (table, credits) = (
+            format!("inbox_{}", suffix()),
+            format!("credits_{}", suffix()),
+        );
+        sqlx::query(&format!(
+            "CREATE TABLE {credits} (payment_id TEXT NOT NULL, cents INTEGER NOT NULL)"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let inbox =
+            Inbox::with_options(pool, InboxOptions::default().with_table(table.clone())).unwrap();
+        inbox.migrate().await.unwrap();
+        (inbox, credits, table)
+    }
+
+    scenarios!(
+        sqlx::Sqlite,
+        setup(),
+        "INSERT INTO {} (payment_id, cents) VALUES (?1, ?2)",
+        "DROP TABLE {}"
+    );
+
+    /// H1 on SQLite: the duplicate is the extended code 1555
+    /// (SQLITE_CONSTRAINT_PRIMARYKEY), which `claim` maps to `Duplicate`.
+    #[tokio::test]
+    async fn h1_sqlite_duplicate_code_is_1555() {
+        let (inbox, credits, table) = setup().await;
+        commit_new(inbox.claim("c", "m").await.unwrap()).await;
+        let err = sqlx::query(&format!(
+            "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ('c', 'm', 0)"
+        ))
+        .execute(inbox.pool())
+        .await
+        .unwrap_err();
+        let code = err
+            .as_database_error()
+            .and_then(|e| e.code())
+            .map(|c| c.into_owned());
+        assert_eq!(code.as_deref(), Some("1555"));
+        assert!(matches!(
+            inbox.claim("c", "m").await.unwrap(),
+            Claim::Duplicate
+        ));
+        cleanup(&inbox, &[&credits, &table]).await;
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use sqlx::postgres::PgPoolOptions;
+
+    const START: &str = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start";
+
+    fn url() -> String {
+        std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    }
+
+    async fn pool(lc_messages: Option<&'static str>) -> sqlx::PgPool {
+        let url = url();
+        PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(10))
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if let Some(lc) = lc_messages {
+                        sqlx::query(&format!("SET lc_messages = '{lc}'"))
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .unwrap_or_else(|e| unreachable("PostgreSQL", &url, &e, START))
+    }
+
+    async fn setup_with(pool: sqlx::PgPool) -> (Inbox<sqlx::Postgres>, String, String) {
+        let (table, credits) = (
+            format!("inbox_{}", suffix()),
+            format!("credits_{}", suffix()),
+        );
+        sqlx::query(&format!(
+            "CREATE TABLE {credits} (payment_id TEXT NOT NULL, cents BIGINT NOT NULL)"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let inbox =
+            Inbox::with_options(pool, InboxOptions::default().with_table(table.clone())).unwrap();
+        inbox.migrate().await.unwrap();
+        (inbox, credits, table)
+    }
+
+    async fn setup() -> (Inbox<sqlx::Postgres>, String, String) {
+        setup_with(pool(None).await).await
+    }
+
+    scenarios!(
+        sqlx::Postgres,
+        setup(),
+        "INSERT INTO {} (payment_id, cents) VALUES ($1, $2)",
+        "DROP TABLE {}"
+    );
+
+    /// H1: the duplicate is recognised by SQLSTATE 23505, not by text. Where
+    /// the OS has a German or French locale, every connection runs with that
+    /// `lc_messages` (localised server messages); otherwise the check runs
+    /// with the server's default and says so (the code path is the same:
+    /// `InboxDatabase::is_duplicate` reads only the SQLSTATE).
+    #[tokio::test]
+    async fn h1_duplicate_by_sqlstate_under_localised_messages() {
+        let probe = pool(None).await;
+        let mut chosen = None;
+        for lc in ["de_DE.UTF-8", "de_DE.utf8", "fr_FR.UTF-8", "fr_FR.utf8"] {
+            if sqlx::query(&format!("SET lc_messages = '{lc}'"))
+                .execute(&probe)
+                .await
+                .is_ok()
+            {
+                chosen = Some(lc);
+                break;
+            }
+        }
+        if chosen.is_none() {
+            eprintln!("no German/French OS locale: lc_messages stays at the server default");
+        }
+        let (inbox, credits, table) = setup_with(pool(chosen).await).await;
+        commit_new(inbox.claim("c", "m").await.unwrap()).await;
+        let err = sqlx::query(&format!(
+            "INSERT INTO {table} (consumer, message_id) VALUES ('c', 'm')"
+        ))
+        .execute(inbox.pool())
+        .await
+        .unwrap_err();
+        let code = err
+            .as_database_error()
+            .and_then(|e| e.code())
+            .map(|c| c.into_owned());
+        assert_eq!(code.as_deref(), Some("23505"), "{err}");
+        assert!(matches!(
+            inbox.claim("c", "m").await.unwrap(),
+            Claim::Duplicate
+        ));
+        cleanup(&inbox, &[&credits, &table]).await;
+    }
+
+    /// `schema.table` names work.
+    #[tokio::test]
+    async fn schema_qualified_table() {
+        let pool = pool(None).await;
+        let schema = format!("inbox_s_{}", suffix());
+        sqlx::query(&format!("CREATE SCHEMA {schema}"))
+            .execute(&pool)
+            .await
+            .unwrap();
+        let inbox = Inbox::with_options(
+            pool.clone(),
+            InboxOptions::default().with_table(format!("{schema}.inbox")),
+        )
+        .unwrap();
+        inbox.migrate().await.unwrap();
+        commit_new(inbox.claim("c", "m").await.unwrap()).await;
+        assert!(matches!(
+            inbox.claim("c", "m").await.unwrap(),
+            Claim::Duplicate
+        ));
+        sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    use sqlx::mysql::MySqlPoolOptions;
+
+    const START: &str = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd";
+
+    fn url() -> String {
+        std::env::var("IDEM_TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+    }
+
+    async fn setup() -> (Inbox<sqlx::MySql>, String, String) {
+        let url = url();
+        let pool = MySqlPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(&url)
+            .await
+            .unwrap_or_else(|e| unreachable("MySQL/MariaDB", &url, &e, START));
+        let (table, credits) = (
+            format!("inbox_{}", suffix()),
+            format!("credits_{}", suffix()),
+        );
+        sqlx::query(&format!(
+            "CREATE TABLE {credits} (payment_id VARCHAR(64) NOT NULL, cents BIGINT NOT NULL) ENGINE=InnoDB"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let inbox =
+            Inbox::with_options(pool, InboxOptions::default().with_table(table.clone())).unwrap();
+        inbox.migrate().await.unwrap();
+        (inbox, credits, table)
+    }
+
+    scenarios!(
+        sqlx::MySql,
+        setup(),
+        "INSERT INTO {} (payment_id, cents) VALUES (?, ?)",
+        "DROP TABLE {}"
+    );
+
+    /// H1 on MySQL/MariaDB: error number 1062.
+    #[tokio::test]
+    async fn h1_duplicate_by_errno_1062() {
+        let (inbox, credits, table) = setup().await;
+        commit_new(inbox.claim("c", "m").await.unwrap()).await;
+        let err = sqlx::query(&format!(
+            "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ('c', 'm', UTC_TIMESTAMP(3))"
+        ))
+        .execute(inbox.pool())
+        .await
+        .unwrap_err();
+        let errno = err
+            .as_database_error()
+            .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+            .map(|e| e.number());
+        assert_eq!(errno, Some(1062));
+        assert!(matches!(
+            inbox.claim("c", "m").await.unwrap(),
+            Claim::Duplicate
+        ));
+        cleanup(&inbox, &[&credits, &table]).await;
+    }
+}
