@@ -468,7 +468,10 @@ impl<B: LockBackend> Lock<B> {
     /// Takes `name` for `ttl`, retrying while it is busy (exponential
     /// backoff from 10 ms to 500 ms with jitter, never longer than the
     /// holder's `retry_after`) for at most `wait`; then answers
-    /// [`Acquire::Busy`]. `wait` zero = one attempt. Safe to cancel.
+    /// [`Acquire::Busy`]. `wait` zero = one attempt; a `wait` too large to
+    /// add to the current instant (such as `Duration::MAX`) waits without a
+    /// deadline until the name is granted or the future is dropped. Safe to
+    /// cancel.
     ///
     /// # Errors
     /// As [`Lock::try_acquire`]; the first error ends the wait.
@@ -478,22 +481,26 @@ impl<B: LockBackend> Lock<B> {
         ttl: Duration,
         wait: Duration,
     ) -> Result<Acquire, LockError> {
-        let deadline = Instant::now() + wait;
+        // `None`: a wait too long to represent (`Duration::MAX`), i.e. no
+        // deadline; the caller bounds it by dropping the future.
+        let deadline = Instant::now().checked_add(wait);
         let mut backoff = Duration::from_millis(10);
         loop {
             match self.try_acquire(name, ttl).await? {
                 Acquire::Held(g) => return Ok(Acquire::Held(g)),
                 Acquire::Busy { retry_after } => {
                     let now = Instant::now();
-                    if now >= deadline {
-                        return Ok(Acquire::Busy { retry_after });
-                    }
+                    let left = match deadline {
+                        Some(d) if now >= d => return Ok(Acquire::Busy { retry_after }),
+                        Some(d) => d - now,
+                        None => Duration::MAX,
+                    };
                     let jitter = 0.5 + rand::random::<f64>() / 2.0;
                     let pause = backoff
                         .min(retry_after.max(Duration::from_millis(1)))
                         .mul_f64(jitter)
                         .max(Duration::from_millis(1))
-                        .min(deadline - now);
+                        .min(left);
                     tokio::time::sleep(pause).await;
                     backoff = (backoff * 2).min(Duration::from_millis(500));
                 }
@@ -653,18 +660,36 @@ impl LockGuard {
     /// token). `Ok(false)` = no-op: the lease had passed and the name was
     /// free or taken by someone else.
     ///
+    /// Safe to cancel: the backend call runs in a spawned task, so dropping
+    /// this future (a `select!`, a timeout, a cancelled request) while it is
+    /// in flight still frees the name; only the answer is lost.
+    ///
     /// # Errors
-    /// The backend's error, or [`LockError::Timeout`] after 5 s; the lock
-    /// then ends at its TTL.
+    /// The backend's error, or [`LockError::Timeout`] after the call
+    /// timeout (5 s by default); the lock then ends at its TTL.
     pub async fn release(mut self) -> Result<bool, LockError> {
+        // From here the spawned task owns the release; Drop must not send a
+        // second one.
         self.done = true;
         self.stop.cancel();
-        match tokio::time::timeout(self.call_timeout, self.backend.release(&self.lease)).await {
+        let backend = self.backend.clone();
+        let lease = self.lease.clone();
+        let timeout = self.call_timeout;
+        let task = tokio::spawn(async move {
+            match tokio::time::timeout(timeout, backend.release(&lease)).await {
+                Ok(r) => r,
+                Err(_) => Err(LockError::Timeout {
+                    op: LockOp::Release,
+                    after: timeout,
+                }),
+            }
+        });
+        match task.await {
             Ok(r) => r,
-            Err(_) => Err(LockError::Timeout {
-                op: LockOp::Release,
-                after: self.call_timeout,
-            }),
+            Err(e) => Err(LockError::unavailable(
+                LockOp::Release,
+                format!("the release task did not finish: {e}"),
+            )),
         }
     }
 

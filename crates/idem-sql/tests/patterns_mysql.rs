@@ -6,7 +6,7 @@
 mod patterns_common;
 
 use async_trait::async_trait;
-use idem_sql::patterns::{InsertOrGet, StateMachine, Transition};
+use idem_sql::patterns::{InsertOrGet, PatternError, SqlValue, StateMachine, Transition};
 use patterns_common::{self as pc, Backend};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection, Executor};
@@ -236,5 +236,129 @@ async fn insert_or_get_repeatable_read_invisible_row() {
 async fn insert_or_get_after_holder_rolls_back() {
     let b = my().await;
     pc::insert_or_get_after_rollback(&b).await;
+    b.done().await;
+}
+
+/// Regression: on MySQL a plain `INSERT` into a key column without a
+/// UNIQUE index never raises 1062: two calls both inserted, and the second
+/// got the first row's id (read back by key). The key column is now checked
+/// once in `information_schema.STATISTICS`: a typed error, nothing inserted.
+/// A unique index over (key, other) is not enough; the primary key is.
+#[tokio::test]
+async fn insert_or_get_needs_a_unique_key_column() {
+    let b = my().await;
+    let p = format!("{}pat_{}", b.prefix(), b.tag);
+    b.exec(&format!(
+        "CREATE TABLE {p}plain (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(20) NOT NULL); \
+         CREATE TABLE {p}pair (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(20) NOT NULL, \
+           o INT NOT NULL DEFAULT 0, UNIQUE KEY k_o (k, o)); \
+         CREATE TABLE {p}pk (k VARCHAR(20) PRIMARY KEY, n INT)"
+    ))
+    .await;
+    let mut c = b.pool.acquire().await.unwrap();
+    for t in ["plain", "pair"] {
+        let ins = InsertOrGet::new(&format!("{p}{t}"), "id", "k").unwrap();
+        for _ in 0..2 {
+            let r = ins.insert_or_get(&mut *c, "x", &[]).await;
+            assert!(
+                matches!(&r, Err(PatternError::KeyNotUnique { column, .. }) if column == "k"),
+                "{t}: {r:?}"
+            );
+        }
+        assert_eq!(b.int(&format!("SELECT COUNT(*) FROM {p}{t}")).await, 0);
+    }
+    // The key is the primary key: fine, and the id is the key itself.
+    let ins = InsertOrGet::new(&format!("{p}pk"), "k", "k").unwrap();
+    let a = ins.insert_or_get(&mut *c, "x", &[]).await.unwrap();
+    let again = ins.insert_or_get(&mut *c, "x", &[]).await.unwrap();
+    assert!(a.inserted && !again.inserted);
+    assert_eq!(a.id, again.id);
+    // A table that does not exist is the database's error, not ours.
+    let missing = InsertOrGet::new(&format!("{p}missing"), "id", "k").unwrap();
+    let r = missing.insert_or_get(&mut *c, "x", &[]).await;
+    assert!(matches!(r, Err(PatternError::Database { .. })), "{r:?}");
+    drop(c);
+    b.done().await;
+}
+
+/// After an insert the id is the inserted row's own: `LAST_INSERT_ID()` for
+/// an AUTO_INCREMENT id (not a read by key), the given id otherwise.
+#[tokio::test]
+async fn insert_or_get_returns_the_inserted_rows_id() {
+    let b = my().await;
+    let p = format!("{}pat_{}", b.prefix(), b.tag);
+    b.exec(&format!(
+        "CREATE TABLE {p}auto (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(20) NOT NULL UNIQUE) \
+           AUTO_INCREMENT = 1000; \
+         CREATE TABLE {p}given (id VARCHAR(20) PRIMARY KEY, k VARCHAR(20) NOT NULL UNIQUE)"
+    ))
+    .await;
+    let mut c = b.pool.acquire().await.unwrap();
+    let auto = InsertOrGet::new(&format!("{p}auto"), "id", "k").unwrap();
+    let a = auto.insert_or_get(&mut *c, "x", &[]).await.unwrap();
+    let y = auto.insert_or_get(&mut *c, "y", &[]).await.unwrap();
+    let a2 = auto.insert_or_get(&mut *c, "x", &[]).await.unwrap();
+    assert_eq!((a.id.clone(), a.inserted), (SqlValue::I64(1000), true));
+    assert_eq!((y.id, y.inserted), (SqlValue::I64(1001), true));
+    assert_eq!((a2.id, a2.inserted), (a.id, false));
+    let given = InsertOrGet::new(&format!("{p}given"), "id", "k").unwrap();
+    let g = given
+        .insert_or_get(&mut *c, "x", &[("id", "g-1".into())])
+        .await
+        .unwrap();
+    let g2 = given
+        .insert_or_get(&mut *c, "x", &[("id", "g-2".into())])
+        .await
+        .unwrap();
+    assert_eq!((g.id, g.inserted), (SqlValue::Text("g-1".into()), true));
+    assert_eq!((g2.id, g2.inserted), (SqlValue::Text("g-1".into()), false));
+    drop(c);
+    b.done().await;
+}
+
+/// MySQL sends each call's parameter types with `COM_STMT_EXECUTE`, so a
+/// cached statement run with a `Text` id after an `I64` one compares the
+/// text as text (converted to a number by MySQL's rules), never as the
+/// first call's type: row 3544952156018063160 (the bytes of "12345678" as
+/// a big-endian i64) is untouched.
+#[tokio::test]
+async fn another_value_type_on_the_same_connection_is_sent_as_itself() {
+    let b = my().await;
+    let t = format!("{}pat_{}types", b.prefix(), b.tag);
+    let victim = i64::from_be_bytes(*b"12345678");
+    b.exec(&format!(
+        "CREATE TABLE {t} (id BIGINT PRIMARY KEY, state VARCHAR(20) NOT NULL, n BIGINT NOT NULL DEFAULT 0); \
+         INSERT INTO {t} (id, state) VALUES (1, 'a'), (2, 'a'), ({victim}, 'a')"
+    ))
+    .await;
+    let m = StateMachine::new(&t, "id", "state").unwrap();
+    let mut c = b.pool.acquire().await.unwrap();
+    assert_eq!(
+        m.transition(&mut *c, 1, &["a"], "b").await.unwrap(),
+        Transition::Transitioned
+    );
+    assert_eq!(
+        m.transition(&mut *c, "12345678", &["a"], "b")
+            .await
+            .unwrap(),
+        Transition::NotFound
+    );
+    m.transition_setting(&mut *c, 1, &["b"], "c", &[("n", 5.into())])
+        .await
+        .unwrap();
+    m.transition_setting(&mut *c, 2, &["a"], "c", &[("n", "12345678".into())])
+        .await
+        .unwrap();
+    drop(c);
+    assert_eq!(
+        b.text(&format!("SELECT state FROM {t} WHERE id = {victim}"))
+            .await
+            .as_deref(),
+        Some("a")
+    );
+    assert_eq!(
+        b.int(&format!("SELECT n FROM {t} WHERE id = 2")).await,
+        12_345_678
+    );
     b.done().await;
 }

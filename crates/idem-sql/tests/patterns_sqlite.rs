@@ -213,3 +213,43 @@ async fn busy_writer_is_a_typed_retryable_error() {
             .inserted
     );
 }
+
+/// SQLite binds each value with its own storage class, so a cached
+/// statement run with a `Text` id after an `I64` one compares the text (by
+/// the column's INTEGER affinity: the number 12345678), never reinterprets
+/// it: row 3544952156018063160 is untouched. A key column without a UNIQUE
+/// index is refused by the database (ON CONFLICT does not match).
+#[tokio::test]
+async fn another_value_type_on_the_same_connection_is_sent_as_itself() {
+    let b = sqlite().await;
+    let victim = i64::from_be_bytes(*b"12345678");
+    b.exec(&format!(
+        "CREATE TABLE types (id INTEGER PRIMARY KEY, state TEXT NOT NULL, n INTEGER NOT NULL DEFAULT 0); \
+         INSERT INTO types (id, state) VALUES (1, 'a'), (2, 'a'), ({victim}, 'a'); \
+         CREATE TABLE plain (id INTEGER PRIMARY KEY, k TEXT NOT NULL)"
+    ))
+    .await;
+    let m = StateMachine::new("types", "id", "state").unwrap();
+    let mut c = b.pool.acquire().await.unwrap();
+    assert_eq!(
+        m.transition(&mut *c, 1, &["a"], "b").await.unwrap(),
+        Transition::Transitioned
+    );
+    assert_eq!(
+        m.transition(&mut *c, "12345678", &["a"], "b")
+            .await
+            .unwrap(),
+        Transition::NotFound
+    );
+    let plain = InsertOrGet::new("plain", "id", "k").unwrap();
+    let r = plain.insert_or_get(&mut *c, "x", &[]).await;
+    assert!(matches!(r, Err(PatternError::Database { .. })), "{r:?}");
+    drop(c);
+    assert_eq!(
+        b.text(&format!("SELECT state FROM types WHERE id = {victim}"))
+            .await
+            .as_deref(),
+        Some("a")
+    );
+    assert_eq!(b.int("SELECT COUNT(*) FROM plain").await, 0);
+}

@@ -11,7 +11,10 @@ mod memory_lock_tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use idem_core::lock::{Acquire, Lock, MemoryLockBackend};
+    use idem_core::lock::{
+        Acquire, Lock, LockBackend, LockError, LockLease, MemoryLockBackend, Run, RunOptions,
+        TryAcquire,
+    };
     use idem_core::{ManualClock, Millis};
 
     /// A guard's lease end is the manual clock's time plus the TTL, and
@@ -56,5 +59,132 @@ mod memory_lock_tests {
         };
         assert_eq!(g.fence(), 2);
         assert!(g.release().await.expect("release"));
+    }
+
+    /// `wait = Duration::MAX` cannot be added to an instant: it means "no
+    /// deadline", never a panic (regression: "overflow when adding
+    /// duration to instant").
+    #[tokio::test(start_paused = true)]
+    async fn acquire_with_duration_max_waits_without_deadline() {
+        let lock = Lock::new(MemoryLockBackend::default());
+        let Acquire::Held(g) = lock
+            .try_acquire("max-wait", Duration::from_secs(5))
+            .await
+            .expect("acquire")
+        else {
+            panic!("free name")
+        };
+        let l2 = lock.clone();
+        let waiter = tokio::spawn(async move {
+            l2.acquire("max-wait", Duration::from_secs(5), Duration::MAX)
+                .await
+        });
+        // Still waiting (not Busy, not a panic) while the name is held.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(!waiter.is_finished(), "acquire(wait = MAX) gave up early");
+        assert!(g.release().await.expect("release"));
+        let got = waiter.await.expect("acquire(wait = MAX) panicked");
+        let Ok(Acquire::Held(g2)) = got else {
+            panic!("acquire(wait = MAX) after release: {got:?}")
+        };
+        assert_eq!(g2.fence(), 2);
+        assert!(g2.release().await.expect("release"));
+    }
+
+    /// `Lock::run` with `wait: Duration::MAX` runs the operation.
+    #[tokio::test(start_paused = true)]
+    async fn run_with_duration_max_wait_runs() {
+        let lock = Lock::new(MemoryLockBackend::default());
+        let ran = tokio::spawn(async move {
+            lock.run(
+                "max-run",
+                Duration::from_secs(5),
+                RunOptions {
+                    keep_on_success: false,
+                    wait: Duration::MAX,
+                },
+                |f| async move { Ok::<_, std::io::Error>(f.fence) },
+            )
+            .await
+        })
+        .await
+        .expect("run(wait = MAX) panicked");
+        assert!(matches!(ran, Ok(Run::Done(1))), "{ran:?}");
+    }
+
+    /// A backend whose release takes 200 ms (a slow network).
+    #[derive(Debug, Clone, Default)]
+    struct SlowRelease(MemoryLockBackend);
+
+    #[async_trait::async_trait]
+    impl LockBackend for SlowRelease {
+        async fn try_acquire(&self, name: &str, ttl: Duration) -> Result<TryAcquire, LockError> {
+            self.0.try_acquire(name, ttl).await
+        }
+        async fn extend(
+            &self,
+            lease: &LockLease,
+            ttl: Duration,
+        ) -> Result<Option<LockLease>, LockError> {
+            self.0.extend(lease, ttl).await
+        }
+        async fn release(&self, lease: &LockLease) -> Result<bool, LockError> {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            self.0.release(lease).await
+        }
+    }
+
+    /// Dropping the future of `guard.release()` while the backend call is
+    /// in flight still frees the name (regression: it stayed taken until
+    /// its TTL).
+    #[tokio::test(start_paused = true)]
+    async fn cancelled_release_still_releases() {
+        let lock = Lock::new(SlowRelease::default());
+        let Acquire::Held(g) = lock
+            .try_acquire("cancelled-release", Duration::from_secs(60))
+            .await
+            .expect("acquire")
+        else {
+            panic!("free name")
+        };
+        let cut = tokio::time::timeout(Duration::from_millis(20), g.release()).await;
+        assert!(
+            cut.is_err(),
+            "the release should still be in flight at 20 ms"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let again = lock
+            .try_acquire("cancelled-release", Duration::from_secs(60))
+            .await
+            .expect("acquire");
+        let Acquire::Held(g2) = again else {
+            panic!("a cancelled release() left the name taken until its TTL: {again:?}")
+        };
+        assert_eq!(g2.fence(), 2);
+    }
+
+    /// Dropping `Lock::run` while it releases after the operation still
+    /// frees the name.
+    #[tokio::test(start_paused = true)]
+    async fn run_dropped_while_releasing_still_releases() {
+        let lock = Lock::new(SlowRelease::default());
+        let run = lock.run(
+            "run-drop",
+            Duration::from_secs(60),
+            RunOptions::default(),
+            |_f| async { Ok::<_, std::io::Error>(()) },
+        );
+        // The op finishes at once; the release takes 200 ms: cut at 50 ms.
+        let cut = tokio::time::timeout(Duration::from_millis(50), run).await;
+        assert!(cut.is_err(), "run should still be releasing at 50 ms");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let again = lock
+            .try_acquire("run-drop", Duration::from_secs(60))
+            .await
+            .expect("acquire");
+        assert!(
+            matches!(again, Acquire::Held(_)),
+            "a run dropped while releasing left the name taken: {again:?}"
+        );
     }
 }

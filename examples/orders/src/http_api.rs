@@ -168,9 +168,69 @@ fn invalid(detail: impl Into<String>) -> Reject {
     }
 }
 
-/// Validates a create body: `(outer_order_no, amount_cents)`.
+/// A JSON value whose top-level object (if it is one) has no key twice:
+/// `serde_json::Value` keeps the last of repeated keys silently, so
+/// `{"amount_cents": 1, "amount_cents": 999}` would be read as 999 here and
+/// maybe as 1 by a proxy or log in front.
+struct UniqueKeys(Value);
+
+impl<'de> serde::Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = UniqueKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                let mut obj = serde_json::Map::new();
+                while let Some(k) = map.next_key::<String>()? {
+                    let v: Value = map.next_value()?;
+                    if obj.contains_key(&k) {
+                        return Err(serde::de::Error::custom(format!("duplicate key {k:?}")));
+                    }
+                    obj.insert(k, v);
+                }
+                Ok(UniqueKeys(Value::Object(obj)))
+            }
+            // Anything but an object: kept as it is (refused below as 422).
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                serde::Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
+                    .map(UniqueKeys)
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::Bool(v)))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(v.into()))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(v.into()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(v.into()))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(v.into()))
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys(Value::Null))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Validates a create body: `(outer_order_no, amount_cents)`. A key given
+/// twice in the object is refused (400) rather than "last one wins".
 fn parse_create(body: &[u8]) -> Result<(String, i64), Reject> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| Reject {
+    let UniqueKeys(value) = serde_json::from_slice(body).map_err(|e| Reject {
         status: StatusCode::BAD_REQUEST,
         kind: "invalid-json",
         title: "Invalid JSON",
@@ -248,10 +308,17 @@ async fn create(
     }
 }
 
-/// Parses an order id; anything else is "no such order".
+/// Parses an order id in its one canonical form: decimal digits, no sign,
+/// no leading zero, at most `i64::MAX`. Anything else (`+1`, `01`, `-1`,
+/// `abc`) is "no such order": one order has one path, so the
+/// Idempotency-Key of `/orders/1/pay` cannot be reused as a "different
+/// request" on `/orders/01/pay`.
 fn order_id(raw: &str) -> Result<i64, Reject> {
-    raw.parse::<i64>()
-        .ok()
+    let canonical =
+        !raw.is_empty() && raw.bytes().all(|b| b.is_ascii_digit()) && !raw.starts_with('0');
+    canonical
+        .then(|| raw.parse::<i64>().ok())
+        .flatten()
         .filter(|id| *id > 0)
         .ok_or_else(|| Reject {
             status: StatusCode::NOT_FOUND,
@@ -349,6 +416,17 @@ mod tests {
                 422,
             ),
             (br#"{"outer_order_no":"a","amount_cents":"5"}"#, 422),
+            (
+                br#"{"outer_order_no":"a","amount_cents":1,"amount_cents":999}"#,
+                400,
+            ),
+            (
+                br#"{"outer_order_no":"a","outer_order_no":"b","amount_cents":5}"#,
+                400,
+            ),
+            (b"5", 422),
+            (b"null", 422),
+            (br#""x""#, 422),
         ] {
             let err = parse_create(body).unwrap_err().into_response();
             assert_eq!(
@@ -364,5 +442,36 @@ mod tests {
             "x".repeat(65)
         );
         assert_eq!(parse_create(long.as_bytes()).unwrap_err().status, 422);
+        // Nested objects are values; only the top level is checked.
+        assert_eq!(
+            parse_create(br#"{"outer_order_no":"n","amount_cents":7,"meta":{"a":1}}"#).unwrap(),
+            ("n".to_owned(), 7)
+        );
+    }
+
+    #[test]
+    fn only_canonical_order_ids() {
+        assert_eq!(order_id("1").unwrap(), 1);
+        assert_eq!(order_id("9223372036854775807").unwrap(), i64::MAX);
+        for raw in [
+            "",
+            "0",
+            "01",
+            "+1",
+            "-1",
+            " 1",
+            "1 ",
+            "1.0",
+            "0x1",
+            "١",
+            "9223372036854775808",
+        ] {
+            let r = order_id(raw);
+            assert_eq!(
+                r.map_err(|e| e.status),
+                Err(StatusCode::NOT_FOUND),
+                "{raw:?}"
+            );
+        }
     }
 }

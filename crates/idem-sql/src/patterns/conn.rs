@@ -72,8 +72,21 @@ macro_rules! bind_all {
     }};
 }
 
+/// Pattern statements are built per call and their argument types follow
+/// the caller's [`SqlValue`] variants, so one SQL text may be run with an
+/// `I64` id and later a `Text` one. PostgreSQL fixes a prepared
+/// statement's parameter types when it is parsed, and sqlx caches named
+/// statements by SQL text only: a cached statement would send a `Text`
+/// id's bytes under the `INT8` type of the first call (the 8 bytes of
+/// `"12345678"` read as another row's id). So on PostgreSQL every pattern
+/// statement is parsed unnamed, with the types of this call's arguments
+/// (`persistent(false)`; one extra round trip): a type that does not fit
+/// the column is refused by the server (`42883`, `42804`…) as
+/// [`PatternError::Database`]. MySQL sends the parameter types with every
+/// `COM_STMT_EXECUTE` and SQLite binds each value with its own storage
+/// class, so their statements stay cached.
 macro_rules! impl_conn {
-    ($conn:ty, $dialect:expr, $decode:path) => {
+    ($conn:ty, $dialect:expr, $decode:path, $persistent:expr) => {
         impl SqlConnection for $conn {}
 
         #[async_trait]
@@ -87,7 +100,7 @@ macro_rules! impl_conn {
             }
 
             async fn execute(&mut self, sql: &str, args: &[SqlValue]) -> Result<u64, PatternError> {
-                let q = bind_all!(sqlx::query(sql), args);
+                let q = bind_all!(sqlx::query(sql).persistent($persistent), args);
                 q.execute(&mut *self)
                     .await
                     .map(|r| r.rows_affected())
@@ -99,7 +112,7 @@ macro_rules! impl_conn {
                 sql: &str,
                 args: &[SqlValue],
             ) -> Result<Option<SqlValue>, PatternError> {
-                let q = bind_all!(sqlx::query(sql), args);
+                let q = bind_all!(sqlx::query(sql).persistent($persistent), args);
                 let row = q
                     .fetch_optional(&mut *self)
                     .await
@@ -110,11 +123,16 @@ macro_rules! impl_conn {
     };
 }
 
-impl_conn!(sqlx::SqliteConnection, Dialect::Sqlite, decode_sqlite);
+impl_conn!(sqlx::SqliteConnection, Dialect::Sqlite, decode_sqlite, true);
 #[cfg(feature = "postgres")]
-impl_conn!(sqlx::PgConnection, Dialect::Postgres, decode_postgres);
+impl_conn!(
+    sqlx::PgConnection,
+    Dialect::Postgres,
+    decode_postgres,
+    false
+);
 #[cfg(feature = "mysql")]
-impl_conn!(sqlx::MySqlConnection, Dialect::MySql, decode_mysql);
+impl_conn!(sqlx::MySqlConnection, Dialect::MySql, decode_mysql, true);
 
 fn undecodable(type_name: &str) -> PatternError {
     PatternError::Decode {

@@ -83,6 +83,21 @@ pub enum PatternError {
         /// Attempts made.
         attempts: u32,
     },
+    /// [`InsertOrGet`](super::InsertOrGet) on MySQL / MariaDB: the key
+    /// column has no UNIQUE index of its own (a unique index or primary key
+    /// made of exactly that column), so a plain `INSERT` cannot detect the
+    /// duplicate. Checked once per `InsertOrGet` value in
+    /// `information_schema.STATISTICS` before the first insert; nothing
+    /// was inserted. (PostgreSQL and SQLite refuse the same table with
+    /// [`PatternError::Database`]: `42P10`, "ON CONFLICT clause does not
+    /// match any PRIMARY KEY or UNIQUE constraint".)
+    #[error("key column {column:?} of table {table:?} has no UNIQUE index of its own")]
+    KeyNotUnique {
+        /// The table, as given.
+        table: String,
+        /// The key column.
+        column: String,
+    },
     /// Any other database error.
     #[error("database error")]
     Database {

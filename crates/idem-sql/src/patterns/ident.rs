@@ -82,6 +82,18 @@ impl Table {
         })
     }
 
+    /// The schema part, when given.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// The table part.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
     pub(crate) fn quoted(&self, dialect: Dialect) -> String {
         match &self.schema {
             Some(s) => format!("{}.{}", quote(dialect, s), quote(dialect, &self.name)),

@@ -56,7 +56,14 @@ pub struct Created {
 ///   is open on the connection; inside one, the server has rolled the
 ///   whole transaction back, so it is returned as
 ///   [`PatternError::SerializationFailure`]. After an insert, the id is
-///   taken from `values` when given, else read back by key.
+///   taken from `values` when given (not `NULL`), else from
+///   `LAST_INSERT_ID()` when the id column is `AUTO_INCREMENT`, else read
+///   back by key. Before the first insert, `information_schema.STATISTICS`
+///   is read once (per `InsertOrGet` value and its clones) to check that
+///   the key column has a unique index of its own: without one a plain
+///   `INSERT` never raises 1062, and two callers would both insert
+///   ([`PatternError::KeyNotUnique`]). Dropping that index later is not
+///   noticed.
 /// - **SQLite**: `INSERT … ON CONFLICT (key) DO NOTHING RETURNING id`
 ///   (SQLite ≥ 3.35), then a read. Writers are serialised by the database
 ///   lock: a writer that waited longer than the busy timeout (5 s by
@@ -106,6 +113,17 @@ pub struct InsertOrGet {
     table: Table,
     id: Column,
     key: Column,
+    /// MySQL / MariaDB: the table checked once (shared by clones).
+    #[cfg(feature = "mysql")]
+    mysql_checked: std::sync::Arc<std::sync::OnceLock<MySqlTable>>,
+}
+
+/// What the MySQL check found about the table.
+#[cfg(feature = "mysql")]
+#[derive(Debug, Clone, Copy)]
+struct MySqlTable {
+    /// The id column is `AUTO_INCREMENT`: `LAST_INSERT_ID()` names our row.
+    auto_increment_id: bool,
 }
 
 impl InsertOrGet {
@@ -121,7 +139,78 @@ impl InsertOrGet {
             table: Table::parse(table)?,
             id: Column::parse(id_column)?,
             key: Column::parse(key_column)?,
+            #[cfg(feature = "mysql")]
+            mysql_checked: Default::default(),
         })
+    }
+
+    /// MySQL / MariaDB: checks once (per value and its clones) in
+    /// `information_schema` that the key column has a unique index of its
+    /// own, and whether the id column is `AUTO_INCREMENT`. `Ok(None)` when
+    /// the key column is not visible there (no such table or column, or no
+    /// privilege): not cached, and the `INSERT` reports the problem.
+    #[cfg(feature = "mysql")]
+    async fn mysql_table<C: SqlConnection + ?Sized>(
+        &self,
+        conn: &mut C,
+    ) -> Result<Option<MySqlTable>, PatternError> {
+        if let Some(t) = self.mysql_checked.get() {
+            return Ok(Some(*t));
+        }
+        let d = Dialect::MySql;
+        let of_table = |q: &mut Sql| {
+            q.push("TABLE_SCHEMA = ");
+            match self.table.schema() {
+                Some(schema) => q.bind(SqlValue::Text(schema.to_owned())),
+                None => q.push("DATABASE()"),
+            };
+            q.push(" AND TABLE_NAME = ")
+                .bind(SqlValue::Text(self.table.name().to_owned()));
+        };
+        let key = || SqlValue::Text(self.key.name().to_owned());
+        let mut q = Sql::new(d);
+        // bit 0: the key column exists; bit 1: a unique index (or the
+        // primary key) made of exactly that column; bit 2: the id column
+        // is AUTO_INCREMENT.
+        q.push("SELECT CAST((SELECT COUNT(*) FROM information_schema.COLUMNS WHERE ");
+        of_table(&mut q);
+        q.push(" AND COLUMN_NAME = ").bind(key());
+        q.push(") + 2 * EXISTS (SELECT 1 FROM information_schema.STATISTICS WHERE ");
+        of_table(&mut q);
+        q.push(
+            " AND NON_UNIQUE = 0 GROUP BY INDEX_NAME HAVING COUNT(*) = 1 AND MAX(COLUMN_NAME) = ",
+        )
+        .bind(key());
+        q.push(") + 4 * (SELECT COUNT(*) FROM information_schema.COLUMNS WHERE ");
+        of_table(&mut q);
+        q.push(" AND COLUMN_NAME = ")
+            .bind(SqlValue::Text(self.id.name().to_owned()))
+            .push(" AND EXTRA LIKE '%auto_increment%') AS SIGNED)");
+        let bits = match conn.fetch_first(&q.text, &q.args).await? {
+            Some(SqlValue::I64(v)) => v,
+            other => {
+                return Err(PatternError::Decode {
+                    detail: format!("information_schema check answered {other:?}"),
+                })
+            }
+        };
+        if bits & 1 == 0 {
+            return Ok(None);
+        }
+        if bits & 2 == 0 {
+            return Err(PatternError::KeyNotUnique {
+                table: match self.table.schema() {
+                    Some(schema) => format!("{schema}.{}", self.table.name()),
+                    None => self.table.name().to_owned(),
+                },
+                column: self.key.name().to_owned(),
+            });
+        }
+        let t = MySqlTable {
+            auto_increment_id: bits & 4 != 0,
+        };
+        let _ = self.mysql_checked.set(t);
+        Ok(Some(t))
     }
 
     /// Inserts a row with `key` and `values`, or, when a row with `key`
@@ -140,8 +229,12 @@ impl InsertOrGet {
     /// - [`PatternError::Contended`]: the row kept vanishing.
     /// - [`PatternError::Decode`]: the id column has an unsupported type
     ///   or is `NULL`.
+    /// - [`PatternError::KeyNotUnique`]: MySQL / MariaDB, the key column
+    ///   has no unique index of its own (nothing was inserted).
     /// - [`PatternError::Database`]: anything else (no unique index on the
-    ///   key: PostgreSQL `42P10`…).
+    ///   key: PostgreSQL `42P10`, SQLite "ON CONFLICT clause does not
+    ///   match"…; a value whose type does not fit its column on
+    ///   PostgreSQL: `42883`, `42804`…).
     pub async fn insert_or_get<C: SqlConnection + ?Sized>(
         &self,
         conn: &mut C,
@@ -159,8 +252,18 @@ impl InsertOrGet {
             .iter()
             .zip(values)
             .find(|(c, _)| c.name() == self.id.name())
-            .map(|(_, (_, v))| v.clone());
+            .map(|(_, (_, v))| v.clone())
+            // A NULL id lets the database generate one (AUTO_INCREMENT).
+            .filter(|v| !v.is_null());
         let d = conn.dialect();
+        #[cfg(feature = "mysql")]
+        let mysql_table = if is_mysql(d) {
+            self.mysql_table(conn).await?
+        } else {
+            None
+        };
+        #[cfg(not(feature = "mysql"))]
+        let mysql_table: Option<()> = None;
         let (table, id_col, key_col) =
             (self.table.quoted(d), self.id.quoted(d), self.key.quoted(d));
 
@@ -230,10 +333,20 @@ impl InsertOrGet {
             // MySQL / MariaDB.
             match conn.execute(&insert.text, &insert.args).await {
                 Ok(_) => {
+                    // The id of the row this INSERT wrote, never read by key
+                    // when another way names it.
                     if let Some(id) = given_id.clone() {
                         return created(id, true);
                     }
-                    // Our own row: visible to a plain read.
+                    #[cfg(feature = "mysql")]
+                    if mysql_table.is_some_and(|t| t.auto_increment_id) {
+                        // Per connection: the value this INSERT generated.
+                        let id = conn.fetch_first("SELECT LAST_INSERT_ID()", &[]).await?;
+                        return created(id.unwrap_or(SqlValue::Null), true);
+                    }
+                    #[cfg(not(feature = "mysql"))]
+                    let _ = mysql_table;
+                    // Our own row (the key is unique): visible to a plain read.
                     let s = select(false);
                     match conn.fetch_first(&s.text, &s.args).await? {
                         Some(id) => return created(id, true),
