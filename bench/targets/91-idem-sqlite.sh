@@ -1,6 +1,8 @@
 # idem gateway, SQLite store (a fresh file per run), in front of the harness's upstream.
+# shellcheck source=../lib/scenarios.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/scenarios.sh"
 T_NAME="idem gateway (sqlite) -> upstream"
-T_DESC="idem gateway release build, SQLite file store (WAL, synchronous=FULL), same upstream"
+T_DESC="idem gateway release build (default runtime unless IDEM_RUNTIME_THREADS is set), SQLite file store (WAL, synchronous=FULL), same upstream"
 T_PORT=18091
 T_URL="http://127.0.0.1:$T_PORT/orders"
 T_COUNT_URL="http://127.0.0.1:$UPSTREAM_PORT/__count"

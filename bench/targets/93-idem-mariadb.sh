@@ -1,6 +1,8 @@
 # idem gateway, MySQL/MariaDB store (the shared server; a table of its own per run), same upstream.
+# shellcheck source=../lib/scenarios.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/scenarios.sh"
 T_NAME="idem gateway (mariadb) -> upstream"
-T_DESC="idem gateway release build, MariaDB store at ${IDEM_BENCH_MYSQL_URL:-mysql://root@127.0.0.1:3306/test}"
+T_DESC="idem gateway release build (default runtime unless IDEM_RUNTIME_THREADS is set), MariaDB store at ${IDEM_BENCH_MYSQL_URL:-mysql://root@127.0.0.1:3306/test}"
 T_PORT=18093
 T_URL="http://127.0.0.1:$T_PORT/orders"
 T_COUNT_URL="http://127.0.0.1:$UPSTREAM_PORT/__count"

@@ -93,10 +93,7 @@ fn main() -> ExitCode {
         eprintln!("idem: {e}");
         return ExitCode::from(2);
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match build_runtime(std::env::var(RUNTIME_THREADS_VAR).ok().as_deref()) {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("idem: cannot start the async runtime: {e}");
@@ -109,6 +106,37 @@ fn main() -> ExitCode {
             Command::Demo(args) => demo::run(args).await,
         }
     })
+}
+
+/// Environment variable choosing the async runtime's threads: `1` runs
+/// everything on one thread (Tokio's current-thread runtime), `N` > 1 runs
+/// `N` worker threads; unset or `0`, one worker per CPU (Tokio's default).
+///
+/// On small machines where the upstream shares the CPUs, one thread is
+/// usually faster (less cross-thread wake-up work; see docs/BENCHMARKS.md).
+const RUNTIME_THREADS_VAR: &str = "IDEM_RUNTIME_THREADS";
+
+/// The runtime for `threads` (the value of [`RUNTIME_THREADS_VAR`]).
+fn build_runtime(threads: Option<&str>) -> Result<tokio::runtime::Runtime, String> {
+    let n = match threads.map(str::trim) {
+        None | Some("") => 0,
+        Some(v) => v.parse::<usize>().map_err(|_| {
+            format!("{RUNTIME_THREADS_VAR}={v:?} is not a number of threads (0 = one per CPU)")
+        })?,
+    };
+    let built = match n {
+        1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        0 => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build(),
+    };
+    built.map_err(|e| e.to_string())
 }
 
 /// Installs the tracing subscriber: `RUST_LOG` when set, else `default_filter`.
@@ -185,6 +213,19 @@ mod tests {
     #[test]
     fn cli_definition_is_valid() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn runtime_threads_are_parsed() {
+        use tokio::runtime::RuntimeFlavor;
+        let flavor = |v: Option<&str>| build_runtime(v).map(|rt| rt.handle().runtime_flavor());
+        assert_eq!(flavor(Some("1")), Ok(RuntimeFlavor::CurrentThread));
+        assert_eq!(flavor(Some(" 2 ")), Ok(RuntimeFlavor::MultiThread));
+        assert_eq!(flavor(None), Ok(RuntimeFlavor::MultiThread));
+        assert_eq!(flavor(Some("0")), Ok(RuntimeFlavor::MultiThread));
+        assert!(flavor(Some("two"))
+            .unwrap_err()
+            .contains(RUNTIME_THREADS_VAR));
     }
 
     #[test]

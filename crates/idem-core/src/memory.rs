@@ -1,10 +1,29 @@
 //! An in-process store: atomic per key, TTL expiry, caps on entries and bytes.
+//!
+//! Layout (chosen for memory per record and for flat tail latency):
+//! - [`SHARDS`] shards, each a mutex around a `hashbrown` table; a key's shard
+//!   is picked from its hash, so a table resize moves 1/64 of the records and
+//!   callers on different keys rarely wait for each other.
+//! - A completed record is ONE allocation: fingerprint, expiry, completion
+//!   order, byte size, scope, key and the response (status, headers, body),
+//!   length-prefixed. A replay's body shares that allocation (no copy).
+//! - An in-flight record is a small box (the few live claims, mutable lease).
+//! - Expiry: per shard, a binary heap of (expires_at, seq, hash), 24 bytes a
+//!   record, with lazy deletion; leases: per shard, an ordered set of the
+//!   in-flight records only.
+//! - Caps: store-wide atomic counters, reserved before a record is added.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
+use std::fmt;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
+use hashbrown::{DefaultHashBuilder, HashTable};
 use tokio::sync::Notify;
 
 use crate::clock::{Clock, Millis, SharedClock, SystemClock};
@@ -15,7 +34,16 @@ use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
 /// Bytes counted per record on top of its key, scope and response, for the byte cap.
 const RECORD_OVERHEAD: usize = 96;
 
-type RecordKey = (Scope, IdempotencyKey);
+/// Number of shards (a power of two).
+const SHARDS: usize = 64;
+
+/// Records each shard has room for before its first resize.
+const SHARD_CAPACITY: usize = 512;
+
+/// How often a step that found the store full makes room and tries again
+/// before answering [`StoreError::Full`] (only concurrent callers taking the
+/// room just made can use up more than one attempt).
+const ATTEMPTS: usize = 4;
 
 /// Limits of a [`MemoryStore`].
 #[derive(Debug, Clone, Copy)]
@@ -46,178 +74,513 @@ impl Default for MemoryLimits {
     }
 }
 
-#[derive(Debug)]
-enum State {
-    InProgress {
-        fence: u64,
-        lease_until: Millis,
-        waiters: Option<Arc<Notify>>,
-    },
-    Completed {
-        response: StoredResponse,
-        expires_at: Millis,
-        seq: u64,
-    },
+// ---- keys ---------------------------------------------------------------
+
+/// A scoped key as bytes, for hashing and comparing without allocating.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct KeyRef<'a> {
+    scope: &'a [u8],
+    key: &'a [u8],
 }
 
-#[derive(Debug)]
-struct Entry {
+impl<'a> KeyRef<'a> {
+    fn of(scope: &'a Scope, key: &'a IdempotencyKey) -> Self {
+        Self {
+            scope: scope.as_str().as_bytes(),
+            key: key.as_str().as_bytes(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.scope.len() + self.key.len()
+    }
+
+    /// Scope and key lengths as stored (both at most 255 bytes, checked by
+    /// [`Scope::new`] and [`IdempotencyKey::new`]).
+    fn lens(&self) -> (u8, u8) {
+        (
+            u8::try_from(self.scope.len()).unwrap_or(u8::MAX),
+            u8::try_from(self.key.len()).unwrap_or(u8::MAX),
+        )
+    }
+}
+
+// ---- records ------------------------------------------------------------
+
+/// Offsets in a completed record's bytes.
+const FP: usize = 0;
+const EXPIRES: usize = 32;
+const SEQ: usize = 40;
+const SIZE: usize = 48;
+const SCOPE_LEN: usize = 56;
+const KEY_LEN: usize = 57;
+const HEAD: usize = 58;
+
+/// A record in a shard's table.
+enum Slot {
+    /// Completed: one allocation, laid out as `[fingerprint 32][expires_at
+    /// u64][seq u64][size u64][scope len u8][key len u8][scope][key]
+    /// [status u16][body_omitted u8][header count][(name len, name, value
+    /// len, value)*][body]`, integers little-endian, counts and lengths LEB128.
+    Done(Arc<[u8]>),
+    /// In flight.
+    Flight(Box<Flight>),
+}
+
+struct Flight {
+    /// `[scope len u8][scope][key]`.
+    key: Box<[u8]>,
     fingerprint: Fingerprint,
-    state: State,
-    size: usize,
+    fence: u64,
+    lease_until: Millis,
+    waiters: Option<Arc<Notify>>,
 }
 
-#[derive(Debug, Default)]
-struct Inner {
-    map: HashMap<Arc<RecordKey>, Entry>,
-    /// Completed records by (expiry, completion order): expired and oldest first.
-    by_expiry: BTreeMap<(Millis, u64), Arc<RecordKey>>,
-    /// In-flight records by (lease end, fence): the first ones are those
-    /// whose lease ended, found without scanning the map.
-    by_lease: BTreeMap<(Millis, u64), Arc<RecordKey>>,
-    bytes: usize,
-    next_fence: u64,
-    next_seq: u64,
+fn read_u64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
 }
 
-impl Inner {
-    fn remove(&mut self, k: &RecordKey) -> Option<Entry> {
-        let e = self.map.remove(k)?;
-        self.bytes -= e.size;
-        match &e.state {
-            State::Completed {
-                expires_at, seq, ..
-            } => {
-                self.by_expiry.remove(&(*expires_at, *seq));
+fn put_varint(out: &mut Vec<u8>, mut n: usize) {
+    while n >= 0x80 {
+        out.push((n as u8 & 0x7f) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+fn varint_len(mut n: usize) -> usize {
+    let mut len = 1;
+    while n >= 0x80 {
+        n >>= 7;
+        len += 1;
+    }
+    len
+}
+
+/// Reads the bytes this module wrote; `None` only if they were corrupted.
+struct Cursor<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let s = self.buf.get(self.at..self.at.checked_add(n)?)?;
+        self.at += n;
+        Some(s)
+    }
+
+    fn varint(&mut self) -> Option<usize> {
+        let mut n = 0usize;
+        for shift in (0..64).step_by(7) {
+            let b = *self.take(1)?.first()?;
+            n |= usize::from(b & 0x7f).checked_shl(shift)?;
+            if b < 0x80 {
+                return Some(n);
             }
-            State::InProgress {
-                waiters,
-                fence,
-                lease_until,
-            } => {
-                self.by_lease.remove(&(*lease_until, *fence));
-                if let Some(w) = waiters {
+        }
+        None
+    }
+}
+
+fn entry_size(k: KeyRef<'_>, resp: Option<&StoredResponse>) -> usize {
+    RECORD_OVERHEAD + k.len() + resp.map_or(0, StoredResponse::stored_size)
+}
+
+/// Encodes a completed record (see [`Slot::Done`]).
+fn encode_done(
+    fingerprint: &Fingerprint,
+    expires_at: Millis,
+    seq: u64,
+    size: usize,
+    k: KeyRef<'_>,
+    resp: &StoredResponse,
+) -> Arc<[u8]> {
+    let headers: usize = resp
+        .headers
+        .iter()
+        .map(|(n, v)| varint_len(n.len()) + n.len() + varint_len(v.len()) + v.len())
+        .sum();
+    let len = HEAD + k.len() + 3 + varint_len(resp.headers.len()) + headers + resp.body.len();
+    let mut out = Vec::with_capacity(len);
+    out.extend_from_slice(&fingerprint.0);
+    out.extend_from_slice(&expires_at.0.to_le_bytes());
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&(size as u64).to_le_bytes());
+    let (sl, kl) = k.lens();
+    out.push(sl);
+    out.push(kl);
+    out.extend_from_slice(k.scope);
+    out.extend_from_slice(k.key);
+    out.extend_from_slice(&resp.status.to_le_bytes());
+    out.push(u8::from(resp.body_omitted));
+    put_varint(&mut out, resp.headers.len());
+    for (n, v) in &resp.headers {
+        put_varint(&mut out, n.len());
+        out.extend_from_slice(n.as_bytes());
+        put_varint(&mut out, v.len());
+        out.extend_from_slice(v);
+    }
+    out.extend_from_slice(&resp.body);
+    debug_assert_eq!(out.len(), len);
+    Arc::from(out)
+}
+
+/// The response of a completed record; the body shares the record's allocation.
+fn decode_response(rec: &Arc<[u8]>) -> StoredResponse {
+    fn parse(rec: &Arc<[u8]>) -> Option<StoredResponse> {
+        let at = HEAD + usize::from(rec[SCOPE_LEN]) + usize::from(rec[KEY_LEN]);
+        let mut c = Cursor { buf: rec, at };
+        let st = c.take(2)?;
+        let status = u16::from_le_bytes([st[0], st[1]]);
+        let body_omitted = c.take(1)?[0] != 0;
+        let count = c.varint()?;
+        let mut headers = Vec::with_capacity(count.min(256));
+        for _ in 0..count {
+            let n = c.varint()?;
+            let name = String::from_utf8(c.take(n)?.to_vec()).ok()?;
+            let n = c.varint()?;
+            headers.push((name, c.take(n)?.to_vec()));
+        }
+        let body = if c.at == rec.len() {
+            Bytes::new()
+        } else {
+            Bytes::from_owner(Arc::clone(rec)).slice(c.at..)
+        };
+        Some(StoredResponse {
+            status,
+            headers,
+            body,
+            body_omitted,
+        })
+    }
+    // The bytes were written by `encode_done` and never change afterwards.
+    parse(rec).expect("a memory store record decodes as it was encoded")
+}
+
+impl Slot {
+    fn key(&self) -> KeyRef<'_> {
+        match self {
+            Slot::Done(d) => {
+                let sl = usize::from(d[SCOPE_LEN]);
+                let kl = usize::from(d[KEY_LEN]);
+                KeyRef {
+                    scope: &d[HEAD..HEAD + sl],
+                    key: &d[HEAD + sl..HEAD + sl + kl],
+                }
+            }
+            Slot::Flight(f) => {
+                let sl = usize::from(f.key[0]);
+                KeyRef {
+                    scope: &f.key[1..1 + sl],
+                    key: &f.key[1 + sl..],
+                }
+            }
+        }
+    }
+
+    fn fingerprint(&self) -> Fingerprint {
+        match self {
+            Slot::Done(d) => {
+                let mut fp = [0u8; 32];
+                fp.copy_from_slice(&d[FP..FP + 32]);
+                Fingerprint(fp)
+            }
+            Slot::Flight(f) => f.fingerprint,
+        }
+    }
+
+    /// Bytes counted against the byte cap.
+    fn size(&self) -> usize {
+        match self {
+            Slot::Done(d) => usize::try_from(read_u64(d, SIZE)).unwrap_or(usize::MAX),
+            Slot::Flight(f) => RECORD_OVERHEAD + f.key.len() - 1,
+        }
+    }
+
+    /// The completion order of a completed record.
+    fn done_seq(&self) -> Option<u64> {
+        match self {
+            Slot::Done(d) => Some(read_u64(d, SEQ)),
+            Slot::Flight(_) => None,
+        }
+    }
+
+    fn flight_fence(&self) -> Option<u64> {
+        match self {
+            Slot::Flight(f) => Some(f.fence),
+            Slot::Done(_) => None,
+        }
+    }
+}
+
+// ---- shards -------------------------------------------------------------
+
+#[derive(Default)]
+struct Shard {
+    table: HashTable<Slot>,
+    /// Completed records by (expiry, completion order), soonest first. Lazy:
+    /// an entry whose record was deleted or replaced stays until it reaches
+    /// the top or the heap is compacted; `dead` counts those.
+    expiry: BinaryHeap<Reverse<(Millis, u64, u64)>>,
+    dead: usize,
+    /// In-flight records by (lease end, fence, hash): exact.
+    leases: BTreeSet<(Millis, u64, u64)>,
+}
+
+/// Keeps shards on separate cache lines.
+#[repr(align(128))]
+struct Padded(Mutex<Shard>);
+
+struct Shared {
+    shards: Box<[Padded]>,
+    hasher: DefaultHashBuilder,
+    /// Records held plus those being added (reserved).
+    entries: AtomicUsize,
+    /// Bytes held plus those being added (reserved).
+    bytes: AtomicUsize,
+    next_fence: AtomicU64,
+    next_seq: AtomicU64,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("shards", &self.shards.len())
+            .field("entries", &self.entries.load(Ordering::Relaxed))
+            .field("bytes", &self.bytes.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    fn hash(&self, k: KeyRef<'_>) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        h.write_usize(k.scope.len());
+        h.write(k.scope);
+        h.write(k.key);
+        h.finish()
+    }
+
+    fn shard_of(&self, hash: u64) -> usize {
+        // The table uses the low bits (bucket) and the top 7 (tag): take
+        // others, or every record in a shard would share its low bits.
+        (hash >> 40) as usize & (SHARDS - 1)
+    }
+
+    fn lock(&self, i: usize) -> MutexGuard<'_, Shard> {
+        // A panic while holding the lock cannot leave a half-applied step:
+        // every step mutates only after all checks, so the data is consistent.
+        self.shards[i].0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes `entries` records and `bytes` bytes from the caps; `false` (and
+    /// nothing taken) when they do not fit.
+    fn try_reserve(&self, entries: usize, bytes: usize, limits: &MemoryLimits) -> bool {
+        if entries > 0 {
+            let held = self.entries.fetch_add(entries, Ordering::AcqRel);
+            if held.saturating_add(entries) > limits.max_entries {
+                self.entries.fetch_sub(entries, Ordering::AcqRel);
+                return false;
+            }
+        }
+        if bytes > 0 {
+            let held = self.bytes.fetch_add(bytes, Ordering::AcqRel);
+            if held.saturating_add(bytes) > limits.max_bytes {
+                self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+                self.entries.fetch_sub(entries, Ordering::AcqRel);
+                return false;
+            }
+        }
+        true
+    }
+
+    fn has_room(&self, entries: usize, bytes: usize, limits: &MemoryLimits) -> bool {
+        self.entries.load(Ordering::Acquire).saturating_add(entries) <= limits.max_entries
+            && self.bytes.load(Ordering::Acquire).saturating_add(bytes) <= limits.max_bytes
+    }
+
+    fn full(&self, extra: usize, limits: &MemoryLimits) -> StoreError {
+        StoreError::Full {
+            detail: format!(
+                "{} records, {} bytes held, {extra} bytes wanted; limits {} records, {} bytes",
+                self.entries.load(Ordering::Relaxed),
+                self.bytes.load(Ordering::Relaxed),
+                limits.max_entries,
+                limits.max_bytes
+            ),
+        }
+    }
+
+    /// Removes the record `(hash, k)` from shard `s`, releasing its entry and
+    /// bytes and waking its waiters. `expired_top`: it is being removed
+    /// through its expiry-heap entry (already popped), so no entry goes dead.
+    fn remove(
+        &self,
+        s: &mut Shard,
+        hash: u64,
+        eq: impl FnMut(&Slot) -> bool,
+        expired_top: bool,
+    ) -> Option<Slot> {
+        let (slot, _) = s.table.find_entry(hash, eq).ok()?.remove();
+        self.entries.fetch_sub(1, Ordering::AcqRel);
+        self.bytes.fetch_sub(slot.size(), Ordering::AcqRel);
+        match &slot {
+            Slot::Done(_) => {
+                if !expired_top {
+                    s.dead += 1;
+                    self.compact(s);
+                }
+            }
+            Slot::Flight(f) => {
+                s.leases.remove(&(f.lease_until, f.fence, hash));
+                if let Some(w) = &f.waiters {
                     w.notify_waiters();
                 }
             }
         }
-        Some(e)
+        Some(slot)
     }
 
-    /// Inserts an in-flight record, indexing its lease end.
-    fn insert_in_progress(
-        &mut self,
-        k: Arc<RecordKey>,
-        fingerprint: Fingerprint,
-        fence: u64,
-        lease_until: Millis,
-        size: usize,
-    ) {
-        self.bytes += size;
-        self.by_lease.insert((lease_until, fence), k.clone());
-        self.map.insert(
-            k,
-            Entry {
-                fingerprint,
-                state: State::InProgress {
-                    fence,
-                    lease_until,
-                    waiters: None,
-                },
-                size,
-            },
-        );
+    /// Rebuilds a shard's expiry heap once most of it is dead entries.
+    fn compact(&self, s: &mut Shard) {
+        if s.dead < 1024 || s.dead * 2 < s.expiry.len() {
+            return;
+        }
+        let heap = std::mem::take(&mut s.expiry);
+        let table = &s.table;
+        s.expiry = heap
+            .into_iter()
+            .filter(|Reverse((_, seq, hash))| {
+                table
+                    .find(*hash, |sl| sl.done_seq() == Some(*seq))
+                    .is_some()
+            })
+            .collect();
+        s.dead = 0;
     }
 
-    /// Takes the first entry of the lease index that ended by `now` and
-    /// removes its record if that record is still the same claim. `None` when
-    /// no lease has ended; `Some(removed)` otherwise (the index always
-    /// shrinks, so loops over this end).
-    fn pop_stale_claim(&mut self, now: Millis) -> Option<bool> {
-        let (&(until, fence), _) = self.by_lease.first_key_value()?;
-        if until > now {
+    /// Pops dead entries off the top of a shard's expiry heap and returns
+    /// the first live one (its record still completed with that seq).
+    fn clean_top(&self, s: &mut Shard) -> Option<(Millis, u64, u64)> {
+        while let Some(&Reverse(top)) = s.expiry.peek() {
+            let (_, seq, hash) = top;
+            if s.table
+                .find(hash, |sl| sl.done_seq() == Some(seq))
+                .is_some()
+            {
+                return Some(top);
+            }
+            s.expiry.pop();
+            s.dead = s.dead.saturating_sub(1);
+        }
+        None
+    }
+
+    /// Removes the completed record that expires first in shard `s` if it
+    /// has expired by `now` (or in any case when `live` is set). `None` when
+    /// there is none.
+    fn pop_completed(&self, s: &mut Shard, now: Millis, live: bool) -> Option<()> {
+        let (at, seq, hash) = self.clean_top(s)?;
+        if at > now && !live {
             return None;
         }
-        let (_, k) = self.by_lease.pop_first()?;
-        let same = matches!(
-            self.map.get(&*k).map(|e| &e.state),
-            Some(State::InProgress { fence: f, lease_until: u, .. }) if *f == fence && *u == until
-        );
-        if same {
-            self.remove(&RecordKey::clone(&k));
-        }
-        Some(same)
+        s.expiry.pop();
+        self.remove(s, hash, |sl| sl.done_seq() == Some(seq), true);
+        Some(())
     }
 
-    /// Makes room for `extra` bytes and one more record, evicting in this
-    /// order: expired completed records, in-flight records whose lease has
-    /// ended, then the live completed records that expire soonest (oldest
-    /// first for equal TTLs). Live in-flight records are never evicted: that
-    /// would let a second execution start. Nothing is evicted when the new
-    /// record could not fit even in an empty store.
+    /// The first claim of shard `s` whose lease ended by `now`, skipping the
+    /// claim with fence `keep`.
+    fn first_stale(s: &Shard, now: Millis, keep: Option<u64>) -> Option<(Millis, u64, u64)> {
+        s.leases
+            .iter()
+            .take_while(|(until, _, _)| *until <= now)
+            .find(|(_, fence, _)| Some(*fence) != keep)
+            .copied()
+    }
+
+    fn remove_claim(&self, s: &mut Shard, (until, fence, hash): (Millis, u64, u64)) -> bool {
+        if !s.leases.contains(&(until, fence, hash)) {
+            return false;
+        }
+        self.remove(s, hash, |sl| sl.flight_fence() == Some(fence), false)
+            .is_some()
+    }
+
+    /// Makes room for `entries` more records and `bytes` more bytes,
+    /// evicting in this order: expired completed records, in-flight records
+    /// whose lease has ended (the oldest lease end first; never the claim
+    /// with fence `keep`), then — only with
+    /// [`MemoryLimits::evict_live_results`] — the live completed records that
+    /// expire soonest (oldest first for equal expiry). Live in-flight
+    /// records are never evicted: that would let a second execution start.
+    ///
+    /// Takes one shard lock at a time; the caller holds none.
     fn make_room(
-        &mut self,
+        &self,
         now: Millis,
-        extra: usize,
+        entries: usize,
+        bytes: usize,
+        keep: Option<u64>,
         limits: &MemoryLimits,
     ) -> Result<(), StoreError> {
-        let full = |inner: &Self| StoreError::Full {
-            detail: format!(
-                "{} records, {} bytes held, {extra} bytes wanted; limits {} records, {} bytes",
-                inner.map.len(),
-                inner.bytes,
-                limits.max_entries,
-                limits.max_bytes
-            ),
-        };
-        if extra > limits.max_bytes || limits.max_entries == 0 {
-            return Err(full(self));
+        let room = || self.has_room(entries, bytes, limits);
+        // 1. Expired completed records, shard by shard.
+        for i in 0..SHARDS {
+            if room() {
+                return Ok(());
+            }
+            let mut s = self.lock(i);
+            while !room() && self.pop_completed(&mut s, now, false).is_some() {}
         }
-        while self.map.len() + 1 > limits.max_entries || self.bytes + extra > limits.max_bytes {
-            // 1. Expired completed records.
-            if let Some((&(at, _), _)) = self.by_expiry.first_key_value() {
-                if at <= now {
-                    let (_, k) = self.by_expiry.pop_first().expect("checked non-empty");
-                    self.remove(&RecordKey::clone(&k));
-                    continue;
-                }
+        // 2. Claims whose lease ended, the oldest lease end store-wide first.
+        while !room() {
+            let oldest = (0..SHARDS)
+                .filter_map(|i| Self::first_stale(&self.lock(i), now, keep).map(|c| (c, i)))
+                .min();
+            let Some((claim, i)) = oldest else { break };
+            self.remove_claim(&mut self.lock(i), claim);
+        }
+        // 3. Live completed records, soonest to expire first — only when the
+        //    owner opted in: an evicted result would run again.
+        while limits.evict_live_results && !room() {
+            let soonest = (0..SHARDS)
+                .filter_map(|i| self.clean_top(&mut self.lock(i)).map(|t| (t, i)))
+                .min();
+            let Some(((_, seq, hash), i)) = soonest else {
+                break;
+            };
+            let mut s = self.lock(i);
+            if self.clean_top(&mut s).map(|(_, q, _)| q) == Some(seq) {
+                s.expiry.pop();
+                self.remove(&mut s, hash, |sl| sl.done_seq() == Some(seq), true);
             }
-            // 2. In-flight records whose lease has ended.
-            if self.pop_stale_claim(now).is_some() {
-                continue;
-            }
-            // 3. Live completed records, soonest to expire first — only when
-            //    the owner opted in: an evicted result would run again.
-            if limits.evict_live_results {
-                if let Some((_, k)) = self.by_expiry.pop_first() {
-                    self.remove(&RecordKey::clone(&k));
-                    continue;
-                }
-            }
+        }
+        if room() {
+            Ok(())
+        } else {
             // Only live records remain: refuse rather than lose one.
-            return Err(full(self));
+            Err(self.full(bytes, limits))
         }
-        Ok(())
     }
 }
 
-fn entry_size(k: &RecordKey, resp: Option<&StoredResponse>) -> usize {
-    RECORD_OVERHEAD
-        + k.0.as_str().len()
-        + k.1.as_str().len()
-        + resp.map_or(0, StoredResponse::stored_size)
-}
-
-/// An in-process [`Store`]: one lock around a hash map, so every step is
-/// atomic; TTL expiry checked on access and by [`Store::purge_expired`];
-/// caps on entries and bytes where expired results and claims whose lease
-/// ended are evicted first. Live records are kept: when only they fill the
-/// store, `begin` (and a `complete` that needs more room) fails with
-/// [`StoreError::Full`], unless [`MemoryLimits::evict_live_results`] allows
-/// evicting the live results that expire soonest. Live in-flight records are
-/// never evicted.
+/// An in-process [`Store`]: 64 shards, each a lock around a hash table, so
+/// every step on a key is atomic; TTL expiry checked on access and by
+/// [`Store::purge_expired`]; caps on entries and bytes where expired results
+/// and claims whose lease ended are evicted first. Live records are kept:
+/// when only they fill the store, `begin` (and a `complete` that needs more
+/// room) fails with [`StoreError::Full`], unless
+/// [`MemoryLimits::evict_live_results`] allows evicting the live results
+/// that expire soonest. Live in-flight records are never evicted.
 ///
 /// Fences come from one store-wide counter, so they grow across expiry.
+/// Memory: a completed record is one allocation holding its key, fingerprint
+/// and response, plus about 40 bytes of table and expiry index
+/// (`cargo bench -p idem-core --bench memory_per_record` measures it).
 /// Nothing survives the process: use it for tests and single-process services.
 ///
 /// ```
@@ -227,7 +590,7 @@ fn entry_size(k: &RecordKey, resp: Option<&StoredResponse>) -> usize {
 /// ```
 #[derive(Debug, Clone)]
 pub struct MemoryStore {
-    inner: Arc<Mutex<Inner>>,
+    inner: Arc<Shared>,
     clock: SharedClock,
     limits: MemoryLimits,
 }
@@ -241,11 +604,23 @@ impl Default for MemoryStore {
 impl MemoryStore {
     /// An empty store with [`MemoryLimits::default`] and the system clock.
     pub fn new() -> Self {
+        let shards = (0..SHARDS)
+            .map(|_| {
+                Padded(Mutex::new(Shard {
+                    table: HashTable::with_capacity(SHARD_CAPACITY),
+                    ..Shard::default()
+                }))
+            })
+            .collect();
         Self {
-            inner: Arc::new(Mutex::new(Inner {
-                next_fence: 1,
-                ..Inner::default()
-            })),
+            inner: Arc::new(Shared {
+                shards,
+                hasher: DefaultHashBuilder::default(),
+                entries: AtomicUsize::new(0),
+                bytes: AtomicUsize::new(0),
+                next_fence: AtomicU64::new(1),
+                next_seq: AtomicU64::new(0),
+            }),
             clock: Arc::new(SystemClock),
             limits: MemoryLimits::default(),
         }
@@ -265,7 +640,7 @@ impl MemoryStore {
 
     /// Number of records held, expired ones included until purged.
     pub fn len(&self) -> usize {
-        self.lock().map.len()
+        self.inner.entries.load(Ordering::Acquire)
     }
 
     /// Whether the store holds no record.
@@ -275,13 +650,7 @@ impl MemoryStore {
 
     /// Bytes counted against [`MemoryLimits::max_bytes`].
     pub fn bytes(&self) -> usize {
-        self.lock().bytes
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        // A panic while holding the lock cannot leave a half-applied step:
-        // every step mutates only after all checks, so the data is consistent.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.bytes.load(Ordering::Acquire)
     }
 }
 
@@ -289,52 +658,80 @@ fn lease_lost(fence: u64) -> StoreError {
     StoreError::LeaseLost { fence }
 }
 
+fn owned_key(k: KeyRef<'_>) -> Box<[u8]> {
+    let mut v = Vec::with_capacity(1 + k.len());
+    v.push(k.lens().0);
+    v.extend_from_slice(k.scope);
+    v.extend_from_slice(k.key);
+    v.into_boxed_slice()
+}
+
 #[async_trait]
 impl Store for MemoryStore {
     async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
         let now = self.clock.now();
-        let mut g = self.lock();
-        let k: RecordKey = (req.scope.clone(), req.key.clone());
-        if let Some(e) = g.map.get(&k) {
-            match &e.state {
-                State::InProgress { lease_until, .. } if *lease_until > now => {
-                    return Ok(if e.fingerprint == req.fingerprint {
-                        Begin::InFlight {
-                            retry_after: now.until(*lease_until),
+        let sh = &*self.inner;
+        let limits = &self.limits;
+        let k = KeyRef::of(&req.scope, &req.key);
+        let hash = sh.hash(k);
+        let shard = sh.shard_of(hash);
+        let size = entry_size(k, None);
+        for attempt in 1.. {
+            {
+                let mut s = sh.lock(shard);
+                if let Some(slot) = s.table.find(hash, |sl| sl.key() == k) {
+                    let same = slot.fingerprint() == req.fingerprint;
+                    match slot {
+                        Slot::Flight(f) if f.lease_until > now => {
+                            return Ok(if same {
+                                Begin::InFlight {
+                                    retry_after: now.until(f.lease_until),
+                                }
+                            } else {
+                                Begin::Mismatch
+                            });
                         }
-                    } else {
-                        Begin::Mismatch
-                    });
+                        Slot::Done(d) if Millis(read_u64(d, EXPIRES)) > now => {
+                            return Ok(if same {
+                                Begin::Replay(decode_response(d))
+                            } else {
+                                Begin::Mismatch
+                            });
+                        }
+                        _ => {
+                            sh.remove(&mut s, hash, |sl| sl.key() == k, false);
+                        }
+                    }
                 }
-                State::Completed {
-                    response,
-                    expires_at,
-                    ..
-                } if *expires_at > now => {
-                    return Ok(if e.fingerprint == req.fingerprint {
-                        Begin::Replay(response.clone())
-                    } else {
-                        Begin::Mismatch
-                    });
+                if size > limits.max_bytes || limits.max_entries == 0 {
+                    return Err(sh.full(size, limits));
                 }
-                _ => {
-                    g.remove(&k);
+                if sh.try_reserve(1, size, limits) {
+                    let fence = sh.next_fence.fetch_add(1, Ordering::AcqRel);
+                    let until = now.add(req.lease);
+                    s.leases.insert((until, fence, hash));
+                    let slot = Slot::Flight(Box::new(Flight {
+                        key: owned_key(k),
+                        fingerprint: req.fingerprint,
+                        fence,
+                        lease_until: until,
+                        waiters: None,
+                    }));
+                    s.table.insert_unique(hash, slot, |sl| sh.hash(sl.key()));
+                    return Ok(Begin::Acquired(Lease {
+                        scope: req.scope.clone(),
+                        key: req.key.clone(),
+                        fence,
+                        until,
+                    }));
                 }
             }
+            if attempt >= ATTEMPTS {
+                break;
+            }
+            sh.make_room(now, 1, size, None, limits)?;
         }
-        let size = entry_size(&k, None);
-        let limits = self.limits;
-        g.make_room(now, size, &limits)?;
-        let fence = g.next_fence;
-        g.next_fence += 1;
-        let until = now.add(req.lease);
-        g.insert_in_progress(Arc::new(k), req.fingerprint, fence, until, size);
-        Ok(Begin::Acquired(Lease {
-            scope: req.scope.clone(),
-            key: req.key.clone(),
-            fence,
-            until,
-        }))
+        Err(sh.full(size, limits))
     }
 
     async fn complete(
@@ -344,82 +741,86 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let now = self.clock.now();
-        let mut g = self.lock();
-        let k: RecordKey = (lease.scope.clone(), lease.key.clone());
-        let (arc_key, fingerprint, lease_until) = match g.map.get_key_value(&k) {
-            Some((ak, e)) => match e.state {
-                State::InProgress {
-                    fence, lease_until, ..
-                } if fence == lease.fence => (ak.clone(), e.fingerprint, lease_until),
-                _ => return Err(lease_lost(lease.fence)),
-            },
-            _ => return Err(lease_lost(lease.fence)),
-        };
-        let old = g.remove(&k).map(|e| e.size).unwrap_or(0);
-        let size = entry_size(&k, Some(response));
-        let limits = self.limits;
-        if let Err(e) = g.make_room(now, size, &limits) {
-            // Put the claim back so the key stays in flight: never freed for a
-            // second run. Keep the store's lease end (the watchdog may have
-            // extended it past `lease.until`).
-            g.insert_in_progress(arc_key, fingerprint, lease.fence, lease_until, old);
-            return Err(e);
+        let sh = &*self.inner;
+        let limits = &self.limits;
+        let k = KeyRef::of(&lease.scope, &lease.key);
+        let hash = sh.hash(k);
+        let shard = sh.shard_of(hash);
+        let size = entry_size(k, Some(response));
+        let ours = |sl: &Slot| sl.flight_fence() == Some(lease.fence) && sl.key() == k;
+        for attempt in 1.. {
+            let grow;
+            {
+                let mut s = sh.lock(shard);
+                let Some(old) = s.table.find(hash, ours).map(Slot::size) else {
+                    return Err(lease_lost(lease.fence));
+                };
+                if size > limits.max_bytes {
+                    // Nothing could make room: the key stays in flight (never
+                    // freed for a second run), with the lease the store holds.
+                    return Err(sh.full(size, limits));
+                }
+                grow = size.saturating_sub(old);
+                if sh.try_reserve(0, grow, limits) {
+                    if old > size {
+                        sh.bytes.fetch_sub(old - size, Ordering::AcqRel);
+                    }
+                    let seq = sh.next_seq.fetch_add(1, Ordering::AcqRel);
+                    let expires_at = now.add(ttl);
+                    let Shard { table, leases, .. } = &mut *s;
+                    let Some(slot) = table.find_mut(hash, ours) else {
+                        return Err(lease_lost(lease.fence));
+                    };
+                    let done = encode_done(&slot.fingerprint(), expires_at, seq, size, k, response);
+                    if let Slot::Flight(f) = std::mem::replace(slot, Slot::Done(done)) {
+                        leases.remove(&(f.lease_until, f.fence, hash));
+                        if let Some(w) = &f.waiters {
+                            w.notify_waiters();
+                        }
+                    }
+                    s.expiry.push(Reverse((expires_at, seq, hash)));
+                    return Ok(());
+                }
+            }
+            if attempt >= ATTEMPTS {
+                break;
+            }
+            sh.make_room(now, 0, grow, Some(lease.fence), limits)?;
         }
-        let seq = g.next_seq;
-        g.next_seq += 1;
-        let expires_at = now.add(ttl);
-        g.bytes += size;
-        g.by_expiry.insert((expires_at, seq), arc_key.clone());
-        g.map.insert(
-            arc_key,
-            Entry {
-                fingerprint,
-                state: State::Completed {
-                    response: response.clone(),
-                    expires_at,
-                    seq,
-                },
-                size,
-            },
-        );
-        Ok(())
+        Err(sh.full(size, limits))
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        let mut g = self.lock();
-        let k: RecordKey = (lease.scope.clone(), lease.key.clone());
-        match g.map.get(&k) {
-            Some(e) if matches!(e.state, State::InProgress { fence, .. } if fence == lease.fence) =>
-            {
-                g.remove(&k);
-                Ok(())
-            }
-            _ => Err(lease_lost(lease.fence)),
+        let sh = &*self.inner;
+        let k = KeyRef::of(&lease.scope, &lease.key);
+        let hash = sh.hash(k);
+        let mut s = sh.lock(sh.shard_of(hash));
+        match sh.remove(
+            &mut s,
+            hash,
+            |sl| sl.flight_fence() == Some(lease.fence) && sl.key() == k,
+            false,
+        ) {
+            Some(_) => Ok(()),
+            None => Err(lease_lost(lease.fence)),
         }
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
         let now = self.clock.now();
-        let mut g = self.lock();
-        let k: RecordKey = (lease.scope.clone(), lease.key.clone());
-        let (ak, old_until) = match g.map.get_key_value(&k) {
-            Some((ak, e)) => match e.state {
-                State::InProgress {
-                    fence, lease_until, ..
-                } if fence == lease.fence => (ak.clone(), lease_until),
-                _ => return Err(lease_lost(lease.fence)),
-            },
-            None => return Err(lease_lost(lease.fence)),
-        };
+        let sh = &*self.inner;
+        let k = KeyRef::of(&lease.scope, &lease.key);
+        let hash = sh.hash(k);
+        let mut s = sh.lock(sh.shard_of(hash));
+        let Shard { table, leases, .. } = &mut *s;
         let until = now.add(lease_for);
-        g.by_lease.remove(&(old_until, lease.fence));
-        g.by_lease.insert((until, lease.fence), ak);
-        if let Some(Entry {
-            state: State::InProgress { lease_until, .. },
-            ..
-        }) = g.map.get_mut(&k)
-        {
-            *lease_until = until;
+        match table.find_mut(hash, |sl| sl.key() == k) {
+            Some(Slot::Flight(f)) if f.fence == lease.fence => {
+                leases.remove(&(f.lease_until, f.fence, hash));
+                leases.insert((until, f.fence, hash));
+                f.lease_until = until;
+            }
+            _ => return Err(lease_lost(lease.fence)),
         }
         Ok(Lease {
             until,
@@ -429,53 +830,54 @@ impl Store for MemoryStore {
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         let now = self.clock.now();
-        let g = self.lock();
-        let k: RecordKey = (scope.clone(), key.clone());
-        Ok(g.map.get(&k).and_then(|e| {
-            let state = match &e.state {
-                State::InProgress {
-                    fence, lease_until, ..
-                } if *lease_until > now => RecordState::InProgress {
-                    fence: *fence,
-                    lease_until: *lease_until,
+        let sh = &*self.inner;
+        let k = KeyRef::of(scope, key);
+        let hash = sh.hash(k);
+        let s = sh.lock(sh.shard_of(hash));
+        Ok(s.table.find(hash, |sl| sl.key() == k).and_then(|slot| {
+            let state = match slot {
+                Slot::Flight(f) if f.lease_until > now => RecordState::InProgress {
+                    fence: f.fence,
+                    lease_until: f.lease_until,
                 },
-                State::Completed {
-                    response,
-                    expires_at,
-                    ..
-                } if *expires_at > now => RecordState::Completed {
-                    response: response.clone(),
-                    expires_at: *expires_at,
+                Slot::Done(d) if Millis(read_u64(d, EXPIRES)) > now => RecordState::Completed {
+                    response: decode_response(d),
+                    expires_at: Millis(read_u64(d, EXPIRES)),
                 },
                 _ => return None,
             };
             Some(Record {
-                fingerprint: e.fingerprint,
+                fingerprint: slot.fingerprint(),
                 state,
             })
         }))
     }
 
     async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        let mut g = self.lock();
-        Ok(g.remove(&(scope.clone(), key.clone())).is_some())
+        let sh = &*self.inner;
+        let k = KeyRef::of(scope, key);
+        let hash = sh.hash(k);
+        let mut s = sh.lock(sh.shard_of(hash));
+        Ok(sh.remove(&mut s, hash, |sl| sl.key() == k, false).is_some())
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         let now = self.clock.now();
-        let mut g = self.lock();
+        let sh = &*self.inner;
         let mut n = 0;
-        while let Some((&(at, _), _)) = g.by_expiry.first_key_value() {
-            if at > now {
-                break;
+        for i in 0..SHARDS {
+            let mut s = sh.lock(i);
+            while sh.pop_completed(&mut s, now, false).is_some() {
+                n += 1;
             }
-            let (_, k) = g.by_expiry.pop_first().expect("checked non-empty");
-            let k = RecordKey::clone(&k);
-            g.remove(&k);
-            n += 1;
-        }
-        while let Some(removed) = g.pop_stale_claim(now) {
-            n += u64::from(removed);
+            while let Some(claim) = Shared::first_stale(&s, now, None) {
+                if sh.remove_claim(&mut s, claim) {
+                    n += 1;
+                } else {
+                    // Cannot happen (the lease index is exact); never loop.
+                    s.leases.remove(&claim);
+                }
+            }
         }
         Ok(n)
     }
@@ -486,15 +888,18 @@ impl Store for MemoryStore {
         key: &IdempotencyKey,
         max: Duration,
     ) -> Result<(), StoreError> {
-        let k: RecordKey = (scope.clone(), key.clone());
+        let sh = &*self.inner;
+        let k = KeyRef::of(scope, key);
+        let hash = sh.hash(k);
+        let shard = sh.shard_of(hash);
         let (notify, fence) = {
-            let mut g = self.lock();
-            match g.map.get_mut(&k).map(|e| &mut e.state) {
-                Some(State::InProgress { waiters, fence, .. }) => (
-                    waiters
+            let mut s = sh.lock(shard);
+            match s.table.find_mut(hash, |sl| sl.key() == k) {
+                Some(Slot::Flight(f)) => (
+                    f.waiters
                         .get_or_insert_with(|| Arc::new(Notify::new()))
                         .clone(),
-                    *fence,
+                    f.fence,
                 ),
                 _ => return Ok(()),
             }
@@ -505,12 +910,72 @@ impl Store for MemoryStore {
         // Re-check after registering: a change between the first look and
         // `enable` would otherwise be missed until `max`.
         let unchanged = {
-            let g = self.lock();
-            matches!(g.map.get(&k).map(|e| &e.state), Some(State::InProgress { fence: f, .. }) if *f == fence)
+            let s = sh.lock(shard);
+            s.table
+                .find(hash, |sl| sl.flight_fence() == Some(fence) && sl.key() == k)
+                .is_some()
         };
         if unchanged {
             let _ = tokio::time::timeout(max, notified).await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_share_the_body() {
+        let k = KeyRef {
+            scope: b"tenant",
+            key: b"k-1",
+        };
+        let resp = StoredResponse {
+            status: 201,
+            headers: vec![
+                ("set-cookie".into(), b"a=1".to_vec()),
+                ("x-long".into(), vec![b'v'; 300]),
+                ("set-cookie".into(), b"b=2".to_vec()),
+            ],
+            body: Bytes::from_static(&[0, 159, 146, 150, 255]),
+            body_omitted: true,
+        };
+        let fp = Fingerprint::of(b"x");
+        let size = entry_size(k, Some(&resp));
+        let rec = encode_done(&fp, Millis(7), 9, size, k, &resp);
+        let slot = Slot::Done(rec.clone());
+        assert_eq!(decode_response(&rec), resp);
+        assert!(slot.key() == k);
+        assert_eq!(slot.fingerprint(), fp);
+        assert_eq!(slot.size(), size);
+        assert_eq!(slot.done_seq(), Some(9));
+        assert_eq!(read_u64(&rec, EXPIRES), 7);
+        let empty = encode_done(&fp, Millis(1), 1, 0, k, &StoredResponse::new(204, ""));
+        assert_eq!(decode_response(&empty), StoredResponse::new(204, ""));
+    }
+
+    #[test]
+    fn varints_round_trip() {
+        for n in [0usize, 1, 127, 128, 300, 16_383, 16_384, usize::MAX] {
+            let mut out = Vec::new();
+            put_varint(&mut out, n);
+            assert_eq!(out.len(), varint_len(n));
+            assert_eq!(Cursor { buf: &out, at: 0 }.varint(), Some(n));
+        }
+        assert_eq!(
+            Cursor {
+                buf: &[0x80],
+                at: 0
+            }
+            .varint(),
+            None
+        );
+    }
+
+    #[test]
+    fn slots_stay_small() {
+        assert!(std::mem::size_of::<Slot>() <= 24);
     }
 }

@@ -185,6 +185,9 @@ fn numbers_fit_doubles(json: &[u8]) -> bool {
 /// Whether the JSON number `text` has the decimal value of the shortest
 /// round-trip decimal of its double (Rust's `{:e}` formatting).
 fn fits_double(text: &str) -> bool {
+    if short_plain_decimal(text) {
+        return true;
+    }
     let Ok(double) = text.parse::<f64>() else {
         return false;
     };
@@ -195,6 +198,35 @@ fn fits_double(text: &str) -> bool {
         (Some(written), Some(shortest)) => written == shortest,
         _ => false,
     }
+}
+
+/// Fast path of [`fits_double`]: a literal without exponent, at most 64
+/// characters, with at most 15 significant digits (leading zeros aside,
+/// trailing zeros included). Its magnitude is between 1e-64 and 1e15, in
+/// the normal double range, and 15 digits is `f64::DIGITS`: two different
+/// decimals of at most 15 significant digits never share a double, so the
+/// shortest round-trip decimal of its double is its own value. Covers the
+/// integers and prices of nearly every body without formatting a double.
+fn short_plain_decimal(text: &str) -> bool {
+    let t = text.strip_prefix('-').unwrap_or(text);
+    if t.is_empty() || t.len() > 64 {
+        return false;
+    }
+    let mut significant = 0u32;
+    let mut dots = 0;
+    for b in t.bytes() {
+        match b {
+            b'0' if significant == 0 => {}
+            b'0'..=b'9' => significant += 1,
+            b'.' => dots += 1,
+            _ => return false,
+        }
+    }
+    let b = t.as_bytes();
+    dots <= 1
+        && significant <= f64::DIGITS
+        && b[0].is_ascii_digit()
+        && b[b.len() - 1].is_ascii_digit()
 }
 
 /// A decimal number as significant digits (no leading or trailing zeros)
@@ -686,7 +718,63 @@ mod tests {
         }
     }
 
+    /// The slow path of `fits_double`, without the fast path.
+    fn fits_double_slow(text: &str) -> bool {
+        let Ok(double) = text.parse::<f64>() else {
+            return false;
+        };
+        double.is_finite()
+            && matches!(
+                (Decimal::parse(text), Decimal::parse(&format!("{double:e}"))),
+                (Some(w), Some(s)) if w == s
+            )
+    }
+
+    #[test]
+    fn fast_path_is_limited_to_short_plain_decimals() {
+        for t in [
+            "0",
+            "-0",
+            "0.0",
+            "1999",
+            "-12.5",
+            "0.1",
+            "0.10",
+            "123456789012345",
+            "0.000000000000001",
+        ] {
+            assert!(short_plain_decimal(t), "{t}");
+            assert!(fits_double_slow(t), "{t}");
+        }
+        for t in [
+            "1e2",
+            "1E2",
+            "1234567890123456",
+            "0.1000000000000000001",
+            "1.",
+            "-",
+            "",
+            "1.2.3",
+        ] {
+            assert!(!short_plain_decimal(t), "{t}");
+        }
+        assert!(!short_plain_decimal(&format!("0.{}1", "0".repeat(70))));
+    }
+
     proptest! {
+        /// Wherever the fast path answers, the slow path agrees.
+        #[test]
+        fn fast_path_agrees_with_the_slow_path(
+            neg in any::<bool>(),
+            int in "(0|[1-9][0-9]{0,15})",
+            frac in prop::option::of("[0-9]{1,16}"),
+        ) {
+            let text = format!("{}{int}{}", if neg { "-" } else { "" }, frac.map(|f| format!(".{f}")).unwrap_or_default());
+            if short_plain_decimal(&text) {
+                prop_assert!(fits_double_slow(&text), "{}", text);
+            }
+        }
+
         #[test]
         fn reordered_and_respaced_json_fingerprints_the_same(
             v in arb_json(),
