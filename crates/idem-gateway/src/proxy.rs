@@ -219,6 +219,11 @@ impl Proxy {
                 // Only the gateway says whether an answer is a replay, on
                 // guarded and unguarded requests alike.
                 parts.headers.remove("idempotent-replayed");
+                // The client's connection is the gateway's, not the
+                // upstream's: an HTTP/1.0 upstream must not turn the answer
+                // into HTTP/1.0 (hyper would then close the client's
+                // keep-alive connection).
+                parts.version = Version::HTTP_11;
                 Response::from_parts(parts, IdleTimeout::new(body, self.timeout).boxed_unsync())
             }
             Ok(Err(e)) if e.is_connect() => {

@@ -594,3 +594,46 @@ async fn open_store_schemes() {
         );
     }
 }
+
+/// An HTTP/1.0 upstream (Python's `http.server`, say) must not make the
+/// gateway answer its own client in HTTP/1.0 and close the connection:
+/// the first answer and the replay both come back as HTTP/1.1 on one
+/// kept-alive connection.
+#[tokio::test]
+async fn http10_upstream_answers_client_in_http11() {
+    let raw = raw_upstream(RawAction::WriteAndClose(
+        b"HTTP/1.0 201 Created\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok".to_vec(),
+    ))
+    .await;
+    let gw = gateway(&format!("http://{}", raw.addr), |_| {}).await;
+    let k = key("http10");
+    let mut sock = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let request = format!(
+        "POST /pay HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {k}\r\nContent-Length: 1\r\n\r\nx"
+    );
+    for round in ["first", "replay"] {
+        sock.write_all(request.as_bytes()).await.unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        // Read until the 2-byte body after the head has arrived.
+        while !(buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.ends_with(b"ok")) {
+            let n = tokio::time::timeout(Duration::from_secs(10), sock.read(&mut chunk))
+                .await
+                .unwrap_or_else(|_| panic!("{round}: no answer within 10 s"))
+                .unwrap();
+            assert!(
+                n > 0,
+                "{round}: the gateway closed the client's connection: {:?}",
+                String::from_utf8_lossy(&buf)
+            );
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let head = String::from_utf8_lossy(&buf).to_string();
+        assert!(head.starts_with("HTTP/1.1 201"), "{round}: {head}");
+        assert!(
+            !head.to_ascii_lowercase().contains("connection: close"),
+            "{round}: {head}"
+        );
+    }
+    assert_eq!(raw.hits(), 1, "the replay must not reach the upstream");
+}
