@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::task::JoinHandle;
 
 use crate::error::StoreError;
 use crate::store::{Begin, BeginRequest, Lease, Store};
@@ -219,21 +218,31 @@ impl<S: Store + Clone> Engine<S> {
             store: self.store.clone(),
             lease: Some(lease.clone()),
             on_cancel: self.config.on_cancel.clone(),
-            watchdog: None,
         };
         let lost = Arc::new(AtomicBool::new(false));
-        if self.config.watchdog && !self.config.lease.is_zero() {
-            guard.watchdog = Some(tokio::spawn(watchdog(
+        let run = op(lease.clone());
+        // The watchdog runs in this task beside the operation (one timer,
+        // no spawned task per execution): it renews while the operation is
+        // polled and stops when the operation finishes or this future is
+        // dropped. An operation that blocks its thread also blocks renewal.
+        let (value, action) = if self.config.watchdog && !self.config.lease.is_zero() {
+            let renew = watchdog(
                 self.store.clone(),
                 lease.clone(),
                 self.config.lease,
                 lost.clone(),
-            )));
-        }
-        let (value, action) = op(lease.clone()).await;
-        if let Some(w) = guard.watchdog.take() {
-            w.abort();
-        }
+            );
+            tokio::pin!(run, renew);
+            tokio::select! {
+                biased;
+                out = &mut run => out,
+                // Only returns once the lease is lost; the operation still
+                // finishes, and saving it then reports `LeaseLost`.
+                () = &mut renew => run.await,
+            }
+        } else {
+            run.await
+        };
         // From here the guard must not act on drop: saving is short and a
         // drop now is treated like a failed save (the key is held).
         guard.lease = None;
@@ -471,14 +480,10 @@ struct ClaimGuard<S: Store + Clone> {
     store: S,
     lease: Option<Lease>,
     on_cancel: Action,
-    watchdog: Option<JoinHandle<()>>,
 }
 
 impl<S: Store + Clone> Drop for ClaimGuard<S> {
     fn drop(&mut self) {
-        if let Some(w) = self.watchdog.take() {
-            w.abort();
-        }
         let Some(lease) = self.lease.take() else {
             return;
         };
