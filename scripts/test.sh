@@ -120,6 +120,9 @@ start=$(date +%s)
 log "cargo fmt --all -- --check"
 cargo fmt --all -- --check || die "cargo fmt --check failed (see above); where it shows differences, run 'cargo fmt --all'"
 
+log "python3 scripts/module-cycles.py"
+python3 scripts/module-cycles.py || die "two modules of one crate import each other (see above): move what both need into a third module"
+
 log "cargo clippy --workspace --all-targets --all-features -- -D warnings"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
 
