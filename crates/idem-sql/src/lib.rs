@@ -26,8 +26,8 @@
 //! # Ok(()) }
 //! ```
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod common;
+mod dialect;
 pub mod inbox;
 pub mod lock;
 #[cfg(feature = "mysql")]

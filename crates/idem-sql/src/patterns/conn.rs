@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use super::error::{classify, PatternError};
 use super::SqlValue;
 
-pub(crate) use sealed::Dialect;
+pub(crate) use crate::dialect::Dialect;
 
 /// A connection the patterns can run on: `sqlx::SqliteConnection`,
 /// `sqlx::PgConnection` (feature `postgres`) and `sqlx::MySqlConnection`
@@ -22,20 +22,7 @@ pub(crate) use sealed::Dialect;
 pub trait SqlConnection: sealed::Sealed {}
 
 mod sealed {
-    use super::{async_trait, PatternError, SqlValue};
-
-    /// The database family of a connection.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub enum Dialect {
-        /// SQLite.
-        Sqlite,
-        /// PostgreSQL.
-        #[cfg(feature = "postgres")]
-        Postgres,
-        /// MySQL / MariaDB.
-        #[cfg(feature = "mysql")]
-        MySql,
-    }
+    use super::{async_trait, Dialect, PatternError, SqlValue};
 
     /// The driver-specific steps (hidden; the trait is sealed).
     #[async_trait]
@@ -104,7 +91,7 @@ macro_rules! impl_conn {
                 q.execute(&mut *self)
                     .await
                     .map(|r| r.rows_affected())
-                    .map_err(|e| classify($dialect, e))
+                    .map_err(classify)
             }
 
             async fn fetch_first(
@@ -113,10 +100,7 @@ macro_rules! impl_conn {
                 args: &[SqlValue],
             ) -> Result<Option<SqlValue>, PatternError> {
                 let q = bind_all!(sqlx::query(sql).persistent($persistent), args);
-                let row = q
-                    .fetch_optional(&mut *self)
-                    .await
-                    .map_err(|e| classify($dialect, e))?;
+                let row = q.fetch_optional(&mut *self).await.map_err(classify)?;
                 row.as_ref().map($decode).transpose()
             }
         }

@@ -8,21 +8,7 @@ use super::error::PatternError;
 pub(crate) const MAX_IDENT_LEN: usize = 63;
 
 fn is_ident(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        && name.len() <= MAX_IDENT_LEN
-}
-
-fn quote(dialect: Dialect, part: &str) -> String {
-    // `part` passed `is_ident`: no quote character can occur in it.
-    match dialect {
-        #[cfg(feature = "mysql")]
-        Dialect::MySql => format!("`{part}`"),
-        _ => format!("\"{part}\""),
-    }
+    crate::dialect::is_plain_ident(name, MAX_IDENT_LEN)
 }
 
 /// A column name: `[A-Za-z_][A-Za-z0-9_]{0,62}`.
@@ -46,7 +32,7 @@ impl Column {
     }
 
     pub(crate) fn quoted(&self, dialect: Dialect) -> String {
-        quote(dialect, &self.0)
+        dialect.quote(&self.0)
     }
 }
 
@@ -96,8 +82,8 @@ impl Table {
 
     pub(crate) fn quoted(&self, dialect: Dialect) -> String {
         match &self.schema {
-            Some(s) => format!("{}.{}", quote(dialect, s), quote(dialect, &self.name)),
-            None => quote(dialect, &self.name),
+            Some(s) => dialect.quote_path(&[s, &self.name]),
+            None => dialect.quote(&self.name),
         }
     }
 }

@@ -1,13 +1,8 @@
 //! [`InsertOrGet`]: create a row once per business key.
 
-use std::time::Duration;
-
-use rand::Rng;
-
-use super::conn::{Dialect, SqlConnection};
+use super::conn::SqlConnection;
 use super::ident::{self, Column, Table};
 use super::sql::Sql;
-use super::transition::latest_read_suffix;
 use super::{PatternError, SqlValue};
 
 /// Attempts of one [`InsertOrGet::insert_or_get`] call (retries happen only
@@ -157,7 +152,7 @@ impl InsertOrGet {
         if let Some(t) = self.mysql_checked.get() {
             return Ok(Some(*t));
         }
-        let d = Dialect::MySql;
+        let d = crate::dialect::Dialect::MySql;
         let of_table = |q: &mut Sql| {
             q.push("TABLE_SCHEMA = ");
             match self.table.schema() {
@@ -257,7 +252,7 @@ impl InsertOrGet {
             .filter(|v| !v.is_null());
         let d = conn.dialect();
         #[cfg(feature = "mysql")]
-        let mysql_table = if is_mysql(d) {
+        let mysql_table = if !d.has_insert_returning() {
             self.mysql_table(conn).await?
         } else {
             None
@@ -281,7 +276,7 @@ impl InsertOrGet {
             insert.push(", ").bind(v.clone());
         }
         insert.push(")");
-        let upsert = !is_mysql(d);
+        let upsert = d.has_insert_returning();
         if upsert {
             insert
                 .push(" ON CONFLICT (")
@@ -302,7 +297,7 @@ impl InsertOrGet {
                 .push(" = ")
                 .bind(key.clone());
             if locking {
-                s.push(latest_read_suffix(d, in_transaction));
+                s.push(d.latest_read_suffix(in_transaction));
             }
             s
         };
@@ -311,7 +306,7 @@ impl InsertOrGet {
         let mut last: Option<PatternError> = None;
         for attempt in 1..=MAX_ATTEMPTS {
             if attempt > 1 {
-                tokio::time::sleep(backoff(attempt - 1)).await;
+                tokio::time::sleep(crate::common::backoff(attempt - 1)).await;
             }
             if upsert {
                 // PostgreSQL and SQLite: a key conflict is not an error.
@@ -374,19 +369,6 @@ impl InsertOrGet {
     }
 }
 
-/// MySQL and MariaDB: no `INSERT … RETURNING` on MySQL, so no upsert form.
-fn is_mysql(d: Dialect) -> bool {
-    #[cfg(feature = "mysql")]
-    {
-        d == Dialect::MySql
-    }
-    #[cfg(not(feature = "mysql"))]
-    {
-        let _ = d;
-        false
-    }
-}
-
 /// A deadlock / serialization failure outside a transaction changed
 /// nothing and may be retried (returned as `Ok`, kept as the last failure);
 /// anything else, or inside a transaction (which the server rolled back),
@@ -408,10 +390,4 @@ fn created(id: SqlValue, inserted: bool) -> Result<Created, PatternError> {
         });
     }
     Ok(Created { id, inserted })
-}
-
-/// 5 ms × 2^(retry-1), ±50 % jitter.
-fn backoff(retry: u32) -> Duration {
-    let base = Duration::from_millis(5) * 2u32.saturating_pow(retry.saturating_sub(1)).min(64);
-    base.mul_f64(rand::thread_rng().gen_range(0.5..1.5))
 }

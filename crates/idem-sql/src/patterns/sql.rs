@@ -36,14 +36,7 @@ impl Sql {
             return self;
         }
         self.args.push(value);
-        match self.dialect {
-            #[cfg(feature = "postgres")]
-            Dialect::Postgres => {
-                self.text.push('$');
-                self.text.push_str(&self.args.len().to_string());
-            }
-            _ => self.text.push('?'),
-        }
+        self.text.push_str(&self.dialect.param(self.args.len()));
         self
     }
 }
