@@ -5,7 +5,10 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem_core::{Begin, BeginRequest, Fingerprint, Phase, StoreError, StoredResponse};
+use idem_core::{
+    Begin, BeginRequest, Fingerprint, IdempotencyKey, Lease, Phase, Scope, StoreError,
+    StoredResponse,
+};
 use rand::Rng;
 
 use crate::dialect::{error_kind, is_plain_ident, ErrorKind};
@@ -383,6 +386,63 @@ impl RawRecord {
     }
 }
 
+/// `Ok(())` when a step guarded by the lease's fence matched its row;
+/// [`StoreError::LeaseLost`] when it matched none (the fence is no longer
+/// current).
+pub(crate) fn lease_kept(matched: bool, lease: &Lease) -> Result<(), StoreError> {
+    if matched {
+        Ok(())
+    } else {
+        Err(StoreError::LeaseLost { fence: lease.fence })
+    }
+}
+
+/// A server store's query (scope and key are bound as bytes).
+type Query<'q, DB> = sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>;
+
+/// Binds a record's `scope` and `key` (as bytes) to `q`.
+pub(crate) fn bind_key<'q, DB>(
+    q: Query<'q, DB>,
+    scope: &'q Scope,
+    key: &'q IdempotencyKey,
+) -> Query<'q, DB>
+where
+    DB: sqlx::Database,
+    &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    q.bind(scope.as_str().as_bytes())
+        .bind(key.as_str().as_bytes())
+}
+
+/// Binds a lease step's guard, its `scope`, `key` (as bytes) and `fence`.
+pub(crate) fn bind_lease<'q, DB>(q: Query<'q, DB>, lease: &'q Lease) -> Query<'q, DB>
+where
+    DB: sqlx::Database,
+    &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    bind_key(q, &lease.scope, &lease.key).bind(to_i64(lease.fence))
+}
+
+/// Runs `step` (one batch of a purge, answering how many rows it removed)
+/// until a batch removes fewer than `batch` rows; the total removed.
+pub(crate) async fn in_batches<Fut>(
+    batch: i64,
+    mut step: impl FnMut() -> Fut,
+) -> Result<u64, StoreError>
+where
+    Fut: Future<Output = Result<u64, StoreError>>,
+{
+    let mut total = 0;
+    loop {
+        let n = step().await?;
+        total += n;
+        if n < u64::try_from(batch).unwrap_or(0) {
+            return Ok(total);
+        }
+    }
+}
+
 /// Checks that a server URL has one of `schemes` (compared without case).
 ///
 /// # Errors
@@ -412,6 +472,18 @@ pub(crate) async fn connect_first<C>(
             format!("no connection to {server} within {timeout:?}"),
         )),
     }
+}
+
+/// A connection of `pool` for creating or checking the schema.
+///
+/// # Errors
+/// [`StoreError::Unavailable`] (phase `Connect`).
+pub(crate) async fn setup_connection<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+) -> Result<sqlx::pool::PoolConnection<DB>, StoreError> {
+    pool.acquire()
+        .await
+        .map_err(|e| StoreError::unavailable(Phase::Connect, e))
 }
 
 /// The pool settings of a server store: `max_connections` (at least 1),

@@ -110,6 +110,18 @@ impl Dialect {
         }
     }
 
+    /// The statement that opens a transaction that will write, when not
+    /// the driver's plain `BEGIN`: SQLite's `BEGIN IMMEDIATE` takes the
+    /// write lock up front (waited for by the busy timeout) rather than
+    /// upgrading a read lock later.
+    pub(crate) fn write_begin(self) -> Option<&'static str> {
+        match self {
+            Self::Sqlite => Some("BEGIN IMMEDIATE"),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
     /// Whether `INSERT … ON CONFLICT … DO NOTHING RETURNING` exists (not on
     /// MySQL / MariaDB).
     pub(crate) fn has_insert_returning(self) -> bool {

@@ -550,26 +550,26 @@ pub trait InboxDatabase: sqlx::Database + sealed::Sealed {
     async fn purge(pool: &Pool<Self>, sql: &str, age: i64) -> Result<u64, sqlx::Error>;
 }
 
-/// Implements [`InboxDatabase`] for a sqlx database: `begin` and `execute`
-/// as given, the other calls the same for all.
+/// Implements [`InboxDatabase`] for a sqlx database of `$dialect`, sending
+/// DDL with `sqlx::$ddl` (`query`, or `raw_sql` where DDL is not prepared).
 macro_rules! inbox_database {
-    (
-        $db:ty,
-        $dialect:expr,
-        begin($bpool:ident) $begin:block,
-        execute($epool:ident, $esql:ident) $execute:block $(,)?
-    ) => {
+    ($db:ty, $dialect:expr, $ddl:ident) => {
         impl sealed::Sealed for $db {}
 
         #[async_trait]
         impl InboxDatabase for $db {
             const DIALECT: Dialect = $dialect;
 
-            async fn begin($bpool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error>
-            $begin
+            async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+                match $dialect.write_begin() {
+                    Some(statement) => pool.begin_with(statement).await,
+                    None => pool.begin().await,
+                }
+            }
 
-            async fn execute($epool: &Pool<Self>, $esql: &str) -> Result<(), sqlx::Error>
-            $execute
+            async fn execute(pool: &Pool<Self>, sql: &str) -> Result<(), sqlx::Error> {
+                sqlx::$ddl(sql).execute(pool).await.map(|_| ())
+            }
 
             async fn insert(
                 tx: &mut Transaction<'static, Self>,
@@ -610,30 +610,11 @@ macro_rules! inbox_database {
     };
 }
 
-inbox_database!(
-    sqlx::Sqlite,
-    Dialect::Sqlite,
-    // IMMEDIATE: take the write lock up front (waited for by the busy
-    // timeout) rather than upgrading a read lock later.
-    begin(pool) { pool.begin_with("BEGIN IMMEDIATE").await },
-    execute(pool, sql) { sqlx::query(sql).execute(pool).await.map(|_| ()) },
-);
-
+inbox_database!(sqlx::Sqlite, Dialect::Sqlite, query);
 #[cfg(feature = "postgres")]
-inbox_database!(
-    sqlx::Postgres,
-    Dialect::Postgres,
-    begin(pool) { pool.begin().await },
-    execute(pool, sql) { sqlx::query(sql).execute(pool).await.map(|_| ()) },
-);
-
+inbox_database!(sqlx::Postgres, Dialect::Postgres, query);
 #[cfg(feature = "mysql")]
-inbox_database!(
-    sqlx::MySql,
-    Dialect::MySql,
-    begin(pool) { pool.begin().await },
-    execute(pool, sql) { sqlx::raw_sql(sql).execute(pool).await.map(|_| ()) },
-);
+inbox_database!(sqlx::MySql, Dialect::MySql, raw_sql);
 
 #[cfg(test)]
 mod tests {

@@ -15,8 +15,9 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{Connection, Executor, Row};
 
 use crate::common::{
-    self, classify, millis, ms_i64, now_of, to_i64, validate_ident, with_retries, Failure,
-    RawRecord, IN_PROGRESS, MAX_TABLE_LEN, PURGE_BATCH, SETTLE_ROUNDS,
+    self, bind_key, bind_lease, classify, lease_kept, millis, ms_i64, now_of, to_i64,
+    validate_ident, with_retries, Failure, RawRecord, IN_PROGRESS, MAX_TABLE_LEN, PURGE_BATCH,
+    SETTLE_ROUNDS,
 };
 use crate::dialect::Dialect;
 
@@ -407,12 +408,7 @@ impl MySqlStore {
         options: MySqlOptions,
     ) -> Result<Self, StoreError> {
         validate_ident("table", &options.table, MAX_TABLE_LEN)?;
-        let mut conn = pool
-            .acquire()
-            .await
-            .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
-        prepare_schema(&mut conn, &options).await?;
-        drop(conn);
+        prepare_schema(&mut *common::setup_connection(&pool).await?, &options).await?;
         Ok(Self::build(pool, &options))
     }
 
@@ -780,38 +776,23 @@ impl Store for MySqlStore {
         let sql = &self.inner.sql.complete;
         let done = self
             .execute(Phase::Complete, || {
-                sqlx::query(sql)
+                let q = sqlx::query(sql)
                     .bind(common::span_ms(ttl))
-                    .bind(blob.as_slice())
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence))
+                    .bind(blob.as_slice());
+                bind_lease(q, lease)
             })
             .await?;
         // The row always changes (state 0 → 1), so "changed" and "matched"
         // counts agree.
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
         let sql = &self.inner.sql.release;
         let done = self
-            .execute(Phase::Release, || {
-                sqlx::query(sql)
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence))
-            })
+            .execute(Phase::Release, || bind_lease(sqlx::query(sql), lease))
             .await?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
@@ -819,11 +800,7 @@ impl Store for MySqlStore {
         let sql = &self.inner.sql.extend;
         let done = self
             .execute(P, || {
-                sqlx::query(sql)
-                    .bind(common::span_ms(lease_for))
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence))
+                bind_lease(sqlx::query(sql).bind(common::span_ms(lease_for)), lease)
             })
             .await?;
         // LAST_INSERT_ID(expr) runs only for a matched row and reports the
@@ -857,11 +834,7 @@ impl Store for MySqlStore {
     async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let sql = &self.inner.sql.delete;
         let done = self
-            .execute(Phase::Delete, || {
-                sqlx::query(sql)
-                    .bind(scope.as_str().as_bytes())
-                    .bind(key.as_str().as_bytes())
-            })
+            .execute(Phase::Delete, || bind_key(sqlx::query(sql), scope, key))
             .await?;
         Ok(done.rows_affected() > 0)
     }
@@ -873,16 +846,13 @@ impl Store for MySqlStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         const P: Phase = Phase::Purge;
         let sql = &self.inner.sql;
-        let mut total = 0;
-        loop {
+        let total = common::in_batches(PURGE_BATCH, || async {
             let done = self
                 .execute(P, || sqlx::query(&sql.purge).bind(PURGE_BATCH))
                 .await?;
-            total += done.rows_affected();
-            if done.rows_affected() < PURGE_BATCH as u64 {
-                break;
-            }
-        }
+            Ok(done.rows_affected())
+        })
+        .await?;
         let newest: i64 = with_retries(P, || {
             self.attempt(
                 P,
@@ -890,7 +860,7 @@ impl Store for MySqlStore {
             )
         })
         .await?;
-        loop {
+        common::in_batches(PURGE_BATCH * 10, || async {
             let done = self
                 .execute(P, || {
                     sqlx::query(&sql.fence_trim)
@@ -898,10 +868,10 @@ impl Store for MySqlStore {
                         .bind(PURGE_BATCH * 10)
                 })
                 .await?;
-            if done.rows_affected() < (PURGE_BATCH * 10) as u64 {
-                return Ok(total);
-            }
-        }
+            Ok(done.rows_affected())
+        })
+        .await?;
+        Ok(total)
     }
 
     /// Polls the record every [`MySqlOptions::poll_interval`] (default

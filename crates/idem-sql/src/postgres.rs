@@ -15,8 +15,9 @@ use sqlx::Connection;
 use tokio::sync::broadcast;
 
 use crate::common::{
-    self, classify, column, millis, ms_i64, now_of, record_hash, to_i64, validate_ident,
-    with_retries, Failure, RawRecord, MAX_SCHEMA_LEN, MAX_TABLE_LEN, PURGE_BATCH, SETTLE_ROUNDS,
+    self, bind_key, bind_lease, classify, column, lease_kept, millis, ms_i64, now_of, record_hash,
+    validate_ident, with_retries, Failure, RawRecord, MAX_SCHEMA_LEN, MAX_TABLE_LEN, PURGE_BATCH,
+    SETTLE_ROUNDS,
 };
 use crate::dialect::Dialect;
 
@@ -29,6 +30,9 @@ const LISTEN_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// This dialect.
 const PG: Dialect = Dialect::Postgres;
+
+/// A statement with its bound values.
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
 
 /// The database's clock in ms when the expression is evaluated
 /// ([`Dialect::now_ms`]).
@@ -435,12 +439,7 @@ impl PostgresStore {
         options: PostgresOptions,
     ) -> Result<Self, StoreError> {
         validate_names(&options)?;
-        let mut conn = pool
-            .acquire()
-            .await
-            .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
-        prepare_schema(&mut conn, &options).await?;
-        drop(conn);
+        prepare_schema(&mut *common::setup_connection(&pool).await?, &options).await?;
         Ok(Self::build(pool, &options))
     }
 
@@ -496,6 +495,16 @@ impl PostgresStore {
         format!("{:016x}", record_hash(scope.as_str(), key.as_str()))
     }
 
+    /// Binds the `NOTIFY` channel and `payload` when notifications are on
+    /// (the statement then notifies waiters; see [`Statements::new`]).
+    fn notifying<'q>(&'q self, q: PgQuery<'q>, payload: &'q str) -> PgQuery<'q> {
+        if self.inner.notify {
+            q.bind(self.inner.channel.as_str()).bind(payload)
+        } else {
+            q
+        }
+    }
+
     /// Runs one attempt of a statement under the client-side deadline.
     async fn attempt<T, F, Fut>(&self, phase: Phase, f: F) -> Result<T, Failure>
     where
@@ -509,10 +518,24 @@ impl PostgresStore {
         .await
     }
 
+    /// The first row of `sql` run with a record's `scope` and `key`.
+    async fn fetch_keyed(
+        &self,
+        phase: Phase,
+        sql: &str,
+        scope: &Scope,
+        key: &IdempotencyKey,
+    ) -> Result<Option<PgRow>, StoreError> {
+        let rows = self
+            .fetch_all(phase, || bind_key(sqlx::query(sql), scope, key))
+            .await?;
+        Ok(rows.into_iter().next())
+    }
+
     async fn fetch_all<'q>(
         &self,
         phase: Phase,
-        q: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        q: impl Fn() -> PgQuery<'q>,
     ) -> Result<Vec<PgRow>, StoreError> {
         with_retries(phase, || {
             let q = q();
@@ -691,22 +714,11 @@ impl Store for PostgresStore {
             .fetch_all(P, || {
                 let q = sqlx::query(sql)
                     .bind(common::span_ms(ttl))
-                    .bind(blob.as_slice())
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence));
-                if self.inner.notify {
-                    q.bind(self.inner.channel.as_str()).bind(payload.as_str())
-                } else {
-                    q
-                }
+                    .bind(blob.as_slice());
+                self.notifying(bind_lease(q, lease), &payload)
             })
             .await?;
-        if rows.is_empty() {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        } else {
-            Ok(())
-        }
+        lease_kept(!rows.is_empty(), lease)
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
@@ -715,22 +727,10 @@ impl Store for PostgresStore {
         let sql = &self.inner.sql.release;
         let rows = self
             .fetch_all(P, || {
-                let q = sqlx::query(sql)
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence));
-                if self.inner.notify {
-                    q.bind(self.inner.channel.as_str()).bind(payload.as_str())
-                } else {
-                    q
-                }
+                self.notifying(bind_lease(sqlx::query(sql), lease), &payload)
             })
             .await?;
-        if rows.is_empty() {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        } else {
-            Ok(())
-        }
+        lease_kept(!rows.is_empty(), lease)
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
@@ -738,11 +738,7 @@ impl Store for PostgresStore {
         let sql = &self.inner.sql.extend;
         let rows = self
             .fetch_all(P, || {
-                sqlx::query(sql)
-                    .bind(common::span_ms(lease_for))
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence))
+                bind_lease(sqlx::query(sql).bind(common::span_ms(lease_for)), lease)
             })
             .await?;
         let Some(row) = rows.first() else {
@@ -757,19 +753,11 @@ impl Store for PostgresStore {
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         const P: Phase = Phase::Get;
-        let sql = &self.inner.sql.get;
-        let rows = self
-            .fetch_all(P, || {
-                sqlx::query(sql)
-                    .bind(scope.as_str().as_bytes())
-                    .bind(key.as_str().as_bytes())
-            })
-            .await?;
-        let Some(row) = rows.first() else {
+        let Some(row) = self.fetch_keyed(P, &self.inner.sql.get, scope, key).await? else {
             return Ok(None);
         };
-        let raw = raw_record(row, P)?;
-        if !raw.is_live(now_of(row, P)?) {
+        let raw = raw_record(&row, P)?;
+        if !raw.is_live(now_of(&row, P)?) {
             return Ok(None);
         }
         raw.to_record(P).map(Some)
@@ -781,14 +769,7 @@ impl Store for PostgresStore {
         let sql = &self.inner.sql.delete;
         let rows = self
             .fetch_all(P, || {
-                let q = sqlx::query(sql)
-                    .bind(scope.as_str().as_bytes())
-                    .bind(key.as_str().as_bytes());
-                if self.inner.notify {
-                    q.bind(self.inner.channel.as_str()).bind(payload.as_str())
-                } else {
-                    q
-                }
+                self.notifying(bind_key(sqlx::query(sql), scope, key), &payload)
             })
             .await?;
         Ok(!rows.is_empty())
@@ -800,19 +781,16 @@ impl Store for PostgresStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         const P: Phase = Phase::Purge;
         let sql = &self.inner.sql.purge;
-        let mut total = 0;
-        loop {
+        common::in_batches(PURGE_BATCH, || async {
             let done = with_retries(P, || {
                 self.attempt(P, |pool| async move {
                     sqlx::query(sql).bind(PURGE_BATCH).execute(&pool).await
                 })
             })
             .await?;
-            total += done.rows_affected();
-            if done.rows_affected() < PURGE_BATCH as u64 {
-                return Ok(total);
-            }
-        }
+            Ok(done.rows_affected())
+        })
+        .await
     }
 
     /// Waits for a `NOTIFY` from `complete`, `release` or `delete` of this
@@ -871,25 +849,20 @@ impl PostgresStore {
         key: &IdempotencyKey,
     ) -> Result<Option<(i64, Duration)>, StoreError> {
         const P: Phase = Phase::Get;
-        let sql = &self.inner.sql.claim_state;
-        let rows = self
-            .fetch_all(P, || {
-                sqlx::query(sql)
-                    .bind(scope.as_str().as_bytes())
-                    .bind(key.as_str().as_bytes())
-            })
-            .await?;
-        let Some(row) = rows.first() else {
+        let Some(row) = self
+            .fetch_keyed(P, &self.inner.sql.claim_state, scope, key)
+            .await?
+        else {
             return Ok(None);
         };
         let claim = RawRecord {
             fingerprint: Vec::new(),
-            state: column::<_, i16>(row, "state", P)?.into(),
-            fence: column(row, "fence", P)?,
-            deadline: column(row, "deadline", P)?,
+            state: column::<_, i16>(&row, "state", P)?.into(),
+            fence: column(&row, "fence", P)?,
+            deadline: column(&row, "deadline", P)?,
             response: None,
         };
-        Ok(claim.live_claim(now_of(row, P)?))
+        Ok(claim.live_claim(now_of(&row, P)?))
     }
 }
 

@@ -16,7 +16,9 @@ use sqlx::sqlite::{
 };
 use sqlx::SqliteConnection;
 
-use crate::common::{millis, poll_while_claimed, retry, to_i64, RawRecord, PURGE_BATCH};
+use crate::common::{
+    in_batches, lease_kept, millis, poll_while_claimed, retry, to_i64, RawRecord, PURGE_BATCH,
+};
 
 /// The embedded schema migrations (`migrations/sqlite` in this crate).
 static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
@@ -397,11 +399,7 @@ impl Store for SqliteStore {
         .execute(&self.pool)
         .await
         .map_err(unavailable(P))?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
@@ -415,11 +413,7 @@ impl Store for SqliteStore {
         .execute(&self.pool)
         .await
         .map_err(unavailable(Phase::Release))?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
@@ -436,14 +430,11 @@ impl Store for SqliteStore {
         .execute(&self.pool)
         .await
         .map_err(unavailable(Phase::Extend))?;
-        if done.rows_affected() == 1 {
-            Ok(Lease {
-                until: millis(until),
-                ..lease.clone()
-            })
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)?;
+        Ok(Lease {
+            until: millis(until),
+            ..lease.clone()
+        })
     }
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
@@ -469,24 +460,20 @@ impl Store for SqliteStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        let mut total = 0;
-        loop {
+        in_batches(PURGE_BATCH, || async {
             let _local = self.write_lock.lock().await;
-            let now = self.now();
             let done = sqlx::query(
                 "DELETE FROM idem_records WHERE (scope, key) IN \
                  (SELECT scope, key FROM idem_records WHERE deadline <= ?1 LIMIT ?2)",
             )
-            .bind(now)
+            .bind(self.now())
             .bind(PURGE_BATCH)
             .execute(&self.pool)
             .await
             .map_err(unavailable(Phase::Purge))?;
-            total += done.rows_affected();
-            if done.rows_affected() < PURGE_BATCH as u64 {
-                return Ok(total);
-            }
-        }
+            Ok(done.rows_affected())
+        })
+        .await
     }
 
     /// Polls the record every [`SqliteOptions::poll_interval`] (default

@@ -132,14 +132,22 @@ fn decode_err(e: sqlx::Error) -> PatternError {
     }
 }
 
-fn decode_sqlite(row: &sqlx::sqlite::SqliteRow) -> Result<SqlValue, PatternError> {
-    use sqlx::{Row, TypeInfo, ValueRef};
+/// The type name of the first column's value; `None` for `NULL`.
+fn first_type<R: sqlx::Row>(row: &R) -> Result<Option<String>, PatternError>
+where
+    usize: sqlx::ColumnIndex<R>,
+{
+    use sqlx::{TypeInfo, ValueRef};
     let raw = row.try_get_raw(0).map_err(decode_err)?;
-    if raw.is_null() {
-        return Ok(SqlValue::Null);
-    }
+    Ok((!raw.is_null()).then(|| raw.type_info().name().to_owned()))
+}
+
+fn decode_sqlite(row: &sqlx::sqlite::SqliteRow) -> Result<SqlValue, PatternError> {
+    use sqlx::Row;
     // The value's own storage class (SQLite types values, not columns).
-    let ty = raw.type_info().name().to_owned();
+    let Some(ty) = first_type(row)? else {
+        return Ok(SqlValue::Null);
+    };
     match ty.as_str() {
         "INTEGER" | "BOOLEAN" => row.try_get::<i64, _>(0).map(SqlValue::I64),
         "TEXT" => row.try_get::<String, _>(0).map(SqlValue::Text),
@@ -151,12 +159,10 @@ fn decode_sqlite(row: &sqlx::sqlite::SqliteRow) -> Result<SqlValue, PatternError
 
 #[cfg(feature = "postgres")]
 fn decode_postgres(row: &sqlx::postgres::PgRow) -> Result<SqlValue, PatternError> {
-    use sqlx::{Row, TypeInfo, ValueRef};
-    let raw = row.try_get_raw(0).map_err(decode_err)?;
-    if raw.is_null() {
+    use sqlx::Row;
+    let Some(ty) = first_type(row)? else {
         return Ok(SqlValue::Null);
-    }
-    let ty = raw.type_info().name().to_owned();
+    };
     match ty.as_str() {
         "INT8" => row.try_get::<i64, _>(0).map(SqlValue::I64),
         "INT4" => row.try_get::<i32, _>(0).map(|v| SqlValue::I64(v.into())),
@@ -195,12 +201,10 @@ fn uuid_text(b: &[u8]) -> Option<String> {
 
 #[cfg(feature = "mysql")]
 fn decode_mysql(row: &sqlx::mysql::MySqlRow) -> Result<SqlValue, PatternError> {
-    use sqlx::{Row, TypeInfo, ValueRef};
-    let raw = row.try_get_raw(0).map_err(decode_err)?;
-    if raw.is_null() {
+    use sqlx::Row;
+    let Some(ty) = first_type(row)? else {
         return Ok(SqlValue::Null);
-    }
-    let ty = raw.type_info().name().to_owned();
+    };
     // Each `try_get` checks the column type first, so the order only picks
     // the first family that fits.
     if let Ok(v) = row.try_get::<i64, _>(0) {

@@ -88,6 +88,53 @@ impl Table {
     }
 }
 
+/// What a pattern works on: a table, its id column, and the one column the
+/// pattern manages (the state, the version, the business key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Target {
+    pub(crate) table: Table,
+    pub(crate) id: Column,
+    pub(crate) column: Column,
+}
+
+/// The names of a [`Target`], quoted for one dialect.
+#[derive(Debug)]
+pub(crate) struct Quoted {
+    pub(crate) table: String,
+    pub(crate) id: String,
+    pub(crate) column: String,
+}
+
+impl Target {
+    /// Validates the three names.
+    pub(crate) fn parse(table: &str, id_column: &str, column: &str) -> Result<Self, PatternError> {
+        Ok(Self {
+            table: Table::parse(table)?,
+            id: Column::parse(id_column)?,
+            column: Column::parse(column)?,
+        })
+    }
+
+    pub(crate) fn quoted(&self, dialect: Dialect) -> Quoted {
+        Quoted {
+            table: self.table.quoted(dialect),
+            id: self.id.quoted(dialect),
+            column: self.column.quoted(dialect),
+        }
+    }
+}
+
+/// `InvalidArgument` when `value` (an id or key, named by `what`) is `NULL`.
+pub(crate) fn not_null(value: &super::SqlValue, what: &str) -> Result<(), PatternError> {
+    if value.is_null() {
+        Err(PatternError::InvalidArgument {
+            detail: format!("the {what} is NULL"),
+        })
+    } else {
+        Ok(())
+    }
+}
+
 /// Checks the `set` list of an update or insert: valid, distinct names, none
 /// of them in `reserved` (the columns the pattern writes itself).
 pub(crate) fn columns(

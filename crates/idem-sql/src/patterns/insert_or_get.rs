@@ -1,7 +1,7 @@
 //! [`InsertOrGet`]: create a row once per business key.
 
 use super::conn::SqlConnection;
-use super::ident::{self, Column, Table};
+use super::ident::{self, Quoted, Target};
 use super::sql::Sql;
 use super::{PatternError, SqlValue};
 
@@ -105,9 +105,8 @@ pub struct Created {
 /// ```
 #[derive(Debug, Clone)]
 pub struct InsertOrGet {
-    table: Table,
-    id: Column,
-    key: Column,
+    /// The table, the id column and the key column.
+    target: Target,
     /// MySQL / MariaDB: the table checked once (shared by clones).
     #[cfg(feature = "mysql")]
     mysql_checked: std::sync::Arc<std::sync::OnceLock<MySqlTable>>,
@@ -131,9 +130,7 @@ impl InsertOrGet {
     /// [`StateMachine::new`](super::StateMachine::new)).
     pub fn new(table: &str, id_column: &str, key_column: &str) -> Result<Self, PatternError> {
         Ok(Self {
-            table: Table::parse(table)?,
-            id: Column::parse(id_column)?,
-            key: Column::parse(key_column)?,
+            target: Target::parse(table, id_column, key_column)?,
             #[cfg(feature = "mysql")]
             mysql_checked: Default::default(),
         })
@@ -155,14 +152,14 @@ impl InsertOrGet {
         let d = crate::dialect::Dialect::MySql;
         let of_table = |q: &mut Sql| {
             q.push("TABLE_SCHEMA = ");
-            match self.table.schema() {
+            match self.target.table.schema() {
                 Some(schema) => q.bind(SqlValue::Text(schema.to_owned())),
                 None => q.push("DATABASE()"),
             };
             q.push(" AND TABLE_NAME = ")
-                .bind(SqlValue::Text(self.table.name().to_owned()));
+                .bind(SqlValue::Text(self.target.table.name().to_owned()));
         };
-        let key = || SqlValue::Text(self.key.name().to_owned());
+        let key = || SqlValue::Text(self.target.column.name().to_owned());
         let mut q = Sql::new(d);
         // bit 0: the key column exists; bit 1: a unique index (or the
         // primary key) made of exactly that column; bit 2: the id column
@@ -179,7 +176,7 @@ impl InsertOrGet {
         q.push(") + 4 * (SELECT COUNT(*) FROM information_schema.COLUMNS WHERE ");
         of_table(&mut q);
         q.push(" AND COLUMN_NAME = ")
-            .bind(SqlValue::Text(self.id.name().to_owned()))
+            .bind(SqlValue::Text(self.target.id.name().to_owned()))
             .push(" AND EXTRA LIKE '%auto_increment%') AS SIGNED)");
         let bits = match conn.fetch_first(&q.text, &q.args).await? {
             Some(SqlValue::I64(v)) => v,
@@ -194,11 +191,11 @@ impl InsertOrGet {
         }
         if bits & 2 == 0 {
             return Err(PatternError::KeyNotUnique {
-                table: match self.table.schema() {
-                    Some(schema) => format!("{schema}.{}", self.table.name()),
-                    None => self.table.name().to_owned(),
+                table: match self.target.table.schema() {
+                    Some(schema) => format!("{schema}.{}", self.target.table.name()),
+                    None => self.target.table.name().to_owned(),
                 },
-                column: self.key.name().to_owned(),
+                column: self.target.column.name().to_owned(),
             });
         }
         let t = MySqlTable {
@@ -237,16 +234,12 @@ impl InsertOrGet {
         values: &[(&str, SqlValue)],
     ) -> Result<Created, PatternError> {
         let key = key.into();
-        let cols = ident::columns(values, &[(&self.key, "key")])?;
-        if key.is_null() {
-            return Err(PatternError::InvalidArgument {
-                detail: "the key is NULL".into(),
-            });
-        }
+        let cols = ident::columns(values, &[(&self.target.column, "key")])?;
+        ident::not_null(&key, "key")?;
         let given_id = cols
             .iter()
             .zip(values)
-            .find(|(c, _)| c.name() == self.id.name())
+            .find(|(c, _)| c.name() == self.target.id.name())
             .map(|(_, (_, v))| v.clone())
             // A NULL id lets the database generate one (AUTO_INCREMENT).
             .filter(|v| !v.is_null());
@@ -259,8 +252,11 @@ impl InsertOrGet {
         };
         #[cfg(not(feature = "mysql"))]
         let mysql_table: Option<()> = None;
-        let (table, id_col, key_col) =
-            (self.table.quoted(d), self.id.quoted(d), self.key.quoted(d));
+        let Quoted {
+            table,
+            id: id_col,
+            column: key_col,
+        } = self.target.quoted(d);
 
         let mut insert = Sql::new(d);
         insert
