@@ -151,8 +151,10 @@ pub(crate) fn is_plain_ident(name: &str, max: usize) -> bool {
 }
 
 /// What a database error means, told apart by code (the idea of sqlx's
-/// `DatabaseError::kind()`, with the kinds idem needs).
+/// `DatabaseError::kind()`, with the kinds idem needs). Which kinds occur
+/// depends on the drivers built in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(all(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(crate) enum ErrorKind {
     /// A unique or primary key constraint was violated: PostgreSQL `23505`,
     /// MySQL 1062 (`ER_DUP_ENTRY`), SQLite 2067 / 1555

@@ -140,6 +140,7 @@ struct LeaseSql {
     read: String,
     extend: String,
     /// MySQL: the renewed row, read back in the renewal's transaction.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     extend_read: String,
     release: String,
 }
