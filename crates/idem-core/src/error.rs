@@ -127,4 +127,20 @@ impl StoreError {
             source: source.into(),
         }
     }
+
+    /// A stored record (or a backend's answer about one) that could not be
+    /// decoded, as [`StoreError::Corrupt`]: `phase` is the call that found
+    /// it, `detail` says what was wrong (shown in the message).
+    ///
+    /// ```
+    /// use idem_core::{Phase, StoreError};
+    /// let e = StoreError::corrupt(Phase::Get, "fingerprint is 3 bytes, not 32");
+    /// assert!(matches!(e, StoreError::Corrupt { phase: Phase::Get, .. }));
+    /// ```
+    pub fn corrupt(phase: Phase, detail: impl Into<String>) -> Self {
+        Self::Corrupt {
+            phase,
+            detail: detail.into(),
+        }
+    }
 }

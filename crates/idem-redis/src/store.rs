@@ -229,7 +229,7 @@ impl RedisStore {
                 }
             })
             .await?;
-            let (next, found) = decode_scan(reply).map_err(|d| corrupt(P, d))?;
+            let (next, found) = decode_scan(reply).map_err(|d| StoreError::corrupt(P, d))?;
             let results = futures::future::join_all(found.iter().map(|record| {
                 let channel = RecordKeys::channel_of(record);
                 async move {
@@ -267,7 +267,7 @@ impl RedisStore {
         )
         .await?;
         let Value::Map(nodes) = reply else {
-            return Err(corrupt(
+            return Err(StoreError::corrupt(
                 P,
                 format!("unexpected answer to PING on all primaries: {reply:?}"),
             ));
@@ -277,11 +277,11 @@ impl RedisStore {
             .map(|(addr, _)| {
                 let addr = text(&addr)
                     .and_then(|a| std::str::from_utf8(a).ok())
-                    .ok_or_else(|| corrupt(P, "node address is not text"))?;
+                    .ok_or_else(|| StoreError::corrupt(P, "node address is not text"))?;
                 let (host, port) = addr
                     .rsplit_once(':')
                     .and_then(|(h, p)| Some((h.to_owned(), p.parse().ok()?)))
-                    .ok_or_else(|| corrupt(P, format!("bad node address {addr:?}")))?;
+                    .ok_or_else(|| StoreError::corrupt(P, format!("bad node address {addr:?}")))?;
                 Ok((host, port))
             })
             .collect()
@@ -329,7 +329,10 @@ impl Store for RedisStore {
                         fence,
                         until: Millis(until),
                     })),
-                    _ => Err(corrupt(P, format!("bad answer from begin.lua: {items:?}"))),
+                    _ => Err(StoreError::corrupt(
+                        P,
+                        format!("bad answer from begin.lua: {items:?}"),
+                    )),
                 }
             }
             b"in_flight" => {
@@ -337,7 +340,9 @@ impl Store for RedisStore {
                     .get(1)
                     .and_then(int)
                     .and_then(|l| u64::try_from(l).ok())
-                    .ok_or_else(|| corrupt(P, format!("bad answer from begin.lua: {items:?}")))?;
+                    .ok_or_else(|| {
+                        StoreError::corrupt(P, format!("bad answer from begin.lua: {items:?}"))
+                    })?;
                 Ok(Begin::InFlight {
                     retry_after: Duration::from_millis(left.max(1)),
                 })
@@ -346,14 +351,14 @@ impl Store for RedisStore {
                 let blob = items
                     .get(1)
                     .and_then(text)
-                    .ok_or_else(|| corrupt(P, "completed record without a response"))?;
+                    .ok_or_else(|| StoreError::corrupt(P, "completed record without a response"))?;
                 StoredResponse::decode(blob)
                     .map(Begin::Replay)
-                    .map_err(|e| corrupt(P, format!("stored response: {e}")))
+                    .map_err(|e| StoreError::corrupt(P, format!("stored response: {e}")))
             }
             b"mismatch" => Ok(Begin::Mismatch),
-            b"corrupt" => Err(corrupt(P, lossy(items.get(1)))),
-            _ => Err(corrupt(
+            b"corrupt" => Err(StoreError::corrupt(P, lossy(items.get(1)))),
+            _ => Err(StoreError::corrupt(
                 P,
                 format!("unexpected answer from begin.lua: {items:?}"),
             )),
@@ -435,7 +440,7 @@ impl Store for RedisStore {
                 until: Millis(until.unsigned_abs()),
                 ..lease.clone()
             }),
-            _ => Err(corrupt(
+            _ => Err(StoreError::corrupt(
                 P,
                 format!("unexpected answer from extend.lua: {reply:?}"),
             )),
@@ -463,7 +468,7 @@ impl Store for RedisStore {
             .await?;
         match int(&reply) {
             Some(n) => Ok(n > 0),
-            None => Err(corrupt(
+            None => Err(StoreError::corrupt(
                 P,
                 format!("unexpected answer from delete.lua: {reply:?}"),
             )),
@@ -568,7 +573,7 @@ impl Read {
             .as_ref()
             .and_then(int)
             .and_then(|n| u64::try_from(n).ok())
-            .ok_or_else(|| corrupt(phase, "get.lua answered without the time"))?;
+            .ok_or_else(|| StoreError::corrupt(phase, "get.lua answered without the time"))?;
         let rest: Vec<Value> = items.collect();
         if rest.is_empty() {
             return Ok(Self {
@@ -577,7 +582,7 @@ impl Read {
             });
         }
         if rest.first().and_then(text) != Some(b"hash") {
-            return Err(corrupt(
+            return Err(StoreError::corrupt(
                 phase,
                 format!("record key holds a {}, not a hash", lossy(rest.first())),
             ));
@@ -598,12 +603,14 @@ impl Read {
             field(i)
                 .and_then(|b| std::str::from_utf8(b).ok())
                 .and_then(|s| s.parse::<u64>().ok())
-                .ok_or_else(|| corrupt(phase, format!("{name} is missing or not a number")))
+                .ok_or_else(|| {
+                    StoreError::corrupt(phase, format!("{name} is missing or not a number"))
+                })
         };
         let fingerprint = field(1)
             .and_then(|f| <[u8; 32]>::try_from(f).ok())
             .map(Fingerprint)
-            .ok_or_else(|| corrupt(phase, "fingerprint is missing or not 32 bytes"))?;
+            .ok_or_else(|| StoreError::corrupt(phase, "fingerprint is missing or not 32 bytes"))?;
         let state = match field(0) {
             Some(b"in_progress") => {
                 let lease_until = Millis(number(3, "lease_until")?);
@@ -618,17 +625,18 @@ impl Read {
                 if expires_at <= self.now {
                     return Ok(None);
                 }
-                let blob = field(5)
-                    .ok_or_else(|| corrupt(phase, "completed record without a response"))?;
+                let blob = field(5).ok_or_else(|| {
+                    StoreError::corrupt(phase, "completed record without a response")
+                })?;
                 let response = StoredResponse::decode(blob)
-                    .map_err(|e| corrupt(phase, format!("stored response: {e}")))?;
+                    .map_err(|e| StoreError::corrupt(phase, format!("stored response: {e}")))?;
                 RecordState::Completed {
                     response,
                     expires_at,
                 }
             }
             other => {
-                return Err(corrupt(
+                return Err(StoreError::corrupt(
                     phase,
                     format!(
                         "unknown record state {:?}",
@@ -646,17 +654,13 @@ fn ms(d: Duration) -> u64 {
     duration_ms(d).min(MAX_MS)
 }
 
-fn corrupt(phase: Phase, detail: impl Into<String>) -> StoreError {
-    StoreError::Corrupt {
-        phase,
-        detail: detail.into(),
-    }
-}
-
 fn array(v: Value, phase: Phase) -> Result<Vec<Value>, StoreError> {
     match v {
         Value::Array(items) | Value::Set(items) => Ok(items),
-        other => Err(corrupt(phase, format!("expected an array, got {other:?}"))),
+        other => Err(StoreError::corrupt(
+            phase,
+            format!("expected an array, got {other:?}"),
+        )),
     }
 }
 
@@ -686,7 +690,7 @@ fn done_or_lost(reply: &Value, fence: u64, phase: Phase) -> Result<(), StoreErro
     match int(reply) {
         Some(1) => Ok(()),
         Some(0) => Err(StoreError::LeaseLost { fence }),
-        _ => Err(corrupt(
+        _ => Err(StoreError::corrupt(
             phase,
             format!("unexpected script answer: {reply:?}"),
         )),

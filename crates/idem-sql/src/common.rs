@@ -1,12 +1,19 @@
-//! Pieces the PostgreSQL and MySQL stores share: identifier validation,
-//! record decoding, the notification hash, and bounded retries.
+//! Pieces the SQL stores share: identifier validation, record decoding,
+//! the notification hash, error classification and bounded retries.
+#![cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 
+use std::future::Future;
 use std::time::Duration;
 
-use idem_core::{Begin, BeginRequest, Fingerprint, Phase, StoreError, StoredResponse};
+use idem_core::{
+    Begin, BeginRequest, Fingerprint, IdempotencyKey, Lease, Phase, Scope, StoreError,
+    StoredResponse,
+};
 use rand::Rng;
 
-/// Record states as stored in the `state` column (as in the SQLite store).
+use crate::dialect::{error_kind, is_plain_ident, ErrorKind};
+
+/// Record states as stored in the `state` column.
 pub(crate) const IN_PROGRESS: i64 = 0;
 pub(crate) const COMPLETED: i64 = 1;
 
@@ -23,17 +30,26 @@ pub(crate) const MAX_TABLE_LEN: usize = 54;
 /// How many times a step is tried when the database reports a transient
 /// conflict (a deadlock or a serialization failure), and the base pause.
 pub(crate) const MAX_ATTEMPTS: u32 = 5;
-const BACKOFF_BASE: Duration = Duration::from_millis(5);
+pub(crate) const BACKOFF_BASE: Duration = Duration::from_millis(5);
+
+/// Records removed per statement by `purge_expired`, so a large purge never
+/// holds locks for long.
+pub(crate) const PURGE_BATCH: i64 = 1_000;
+
+/// How often a server store's `begin` starts over when the record changed
+/// under it (each round is one statement or one short transaction; in
+/// practice the second round settles) before it gives up with
+/// `Unavailable`.
+pub(crate) const SETTLE_ROUNDS: u32 = 10;
+
+/// A pooled connection idle for longer than this is pinged before use
+/// (a fresh one is not: that would double the round trips of every step).
+pub(crate) const PING_IDLE_AFTER: Duration = Duration::from_secs(10);
 
 /// Checks `name` against `[A-Za-z_][A-Za-z0-9_]{0,max-1}`. Names are always
 /// checked before they are quoted into SQL; values are always bound.
 pub(crate) fn validate_ident(what: &str, name: &str, max: usize) -> Result<(), StoreError> {
-    let mut chars = name.chars();
-    let ok_first = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
-    let ok_rest = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
-    if ok_first && ok_rest && name.len() <= max {
+    if is_plain_ident(name, max) {
         Ok(())
     } else {
         Err(StoreError::Config(format!(
@@ -43,36 +59,71 @@ pub(crate) fn validate_ident(what: &str, name: &str, max: usize) -> Result<(), S
     }
 }
 
+/// 64-bit FNV-1a over the parts, separated by a zero byte.
+pub(crate) fn fnv1a(parts: &[&str]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (i, part) in parts.iter().enumerate() {
+        let sep: &[u8] = if i == 0 { &[] } else { &[0] };
+        for &b in sep.iter().chain(part.as_bytes()) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// 64-bit FNV-1a over the key, a zero byte and the scope (keys are visible
 /// ASCII, so the zero byte separates unambiguously). Used to name a record in
 /// notifications and advisory locks: a collision only costs a spurious
 /// wake-up or a moment of waiting, never a wrong answer.
 #[cfg(feature = "postgres")]
 pub(crate) fn record_hash(scope: &str, key: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.bytes().chain([0u8]).chain(scope.bytes()) {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    fnv1a(&[key, scope])
 }
 
 /// 64-bit FNV-1a of a string (for names derived from the table name).
 pub(crate) fn name_hash(s: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in s.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    fnv1a(&[s])
 }
 
-/// A pause before retry `attempt` (1-based): 5 ms × 2^(attempt-1), with
-/// ±50 % jitter so racing callers spread out.
-pub(crate) fn backoff(attempt: u32) -> Duration {
-    let base = BACKOFF_BASE * 2u32.saturating_pow(attempt.saturating_sub(1)).min(64);
+/// The pause before retry `attempt` (1-based): `base` × 2^(attempt-1)
+/// (at most × 64), with ±50 % jitter so racing callers spread out.
+pub(crate) fn pause(base: Duration, attempt: u32) -> Duration {
+    let base = base * 2u32.saturating_pow(attempt.saturating_sub(1)).min(64);
     let jitter = rand::thread_rng().gen_range(0.5..1.5);
     base.mul_f64(jitter)
+}
+
+/// [`pause`] from [`BACKOFF_BASE`] (5 ms): 2.5 ms to 480 ms.
+pub(crate) fn backoff(attempt: u32) -> Duration {
+    pause(BACKOFF_BASE, attempt)
+}
+
+/// The one bounded retry loop of this crate: runs `op` at most `attempts`
+/// times (at least once) while it fails with an error `retryable` accepts,
+/// pausing [`pause`]`(base, n)` before retry `n`. The last error, or the
+/// first one `retryable` refuses, is returned as it is.
+pub(crate) async fn retry<T, E, F, Fut>(
+    attempts: u32,
+    base: Duration,
+    mut op: F,
+    mut retryable: impl FnMut(&E) -> bool,
+) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let mut attempt = 1;
+    loop {
+        match op().await {
+            Err(e) if attempt < attempts && retryable(&e) => {
+                tracing::debug!(attempt, "transient database error; retrying");
+                tokio::time::sleep(pause(base, attempt)).await;
+                attempt += 1;
+            }
+            done => return done,
+        }
+    }
 }
 
 /// A duration in whole milliseconds as an `i64` for SQL, rounded up (a
@@ -83,7 +134,7 @@ pub(crate) fn ms_i64(d: Duration) -> i64 {
 
 /// Longest lease or TTL written, in ms (about 31,700 years): keeps
 /// `now + span` far from `i64` overflow in SQL.
-const MAX_SPAN_MS: i64 = 1_000_000_000_000_000;
+pub(crate) const MAX_SPAN_MS: i64 = 1_000_000_000_000_000;
 
 /// A lease or TTL in whole milliseconds for SQL: rounded up, capped at
 /// [`MAX_SPAN_MS`].
@@ -91,11 +142,14 @@ pub(crate) fn span_ms(d: Duration) -> i64 {
     ms_i64(d).min(MAX_SPAN_MS)
 }
 
-pub(crate) fn corrupt(phase: Phase, detail: impl Into<String>) -> StoreError {
-    StoreError::Corrupt {
-        phase,
-        detail: detail.into(),
-    }
+/// A `u64` (a fence, a time in ms) as an `i64` for SQL, saturating.
+pub(crate) fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// A time in ms read from SQL; negative is taken as 0.
+pub(crate) fn millis(v: i64) -> idem_core::Millis {
+    idem_core::Millis(u64::try_from(v).unwrap_or(0))
 }
 
 /// One record row, undecoded. `deadline` and `now` are milliseconds since
@@ -114,7 +168,7 @@ impl RawRecord {
         <[u8; 32]>::try_from(self.fingerprint.as_slice())
             .map(Fingerprint)
             .map_err(|_| {
-                corrupt(
+                StoreError::corrupt(
                     phase,
                     format!("fingerprint is {} bytes, not 32", self.fingerprint.len()),
                 )
@@ -124,7 +178,7 @@ impl RawRecord {
     pub(crate) fn fence(&self, phase: Phase) -> Result<u64, StoreError> {
         match u64::try_from(self.fence) {
             Ok(f) if f > 0 => Ok(f),
-            _ => Err(corrupt(
+            _ => Err(StoreError::corrupt(
                 phase,
                 format!("fence {} is not positive", self.fence),
             )),
@@ -132,15 +186,16 @@ impl RawRecord {
     }
 
     pub(crate) fn until(&self) -> idem_core::Millis {
-        idem_core::Millis(u64::try_from(self.deadline).unwrap_or(0))
+        millis(self.deadline)
     }
 
     pub(crate) fn response(&self, phase: Phase) -> Result<StoredResponse, StoreError> {
         let blob = self
             .response
             .as_deref()
-            .ok_or_else(|| corrupt(phase, "completed record without a response"))?;
-        StoredResponse::decode(blob).map_err(|e| corrupt(phase, format!("stored response: {e}")))
+            .ok_or_else(|| StoreError::corrupt(phase, "completed record without a response"))?;
+        StoredResponse::decode(blob)
+            .map_err(|e| StoreError::corrupt(phase, format!("stored response: {e}")))
     }
 
     /// Whether the record is live at `now` (in progress before its lease
@@ -171,7 +226,12 @@ impl RawRecord {
             }
             COMPLETED if same => Begin::Replay(self.response(phase)?),
             IN_PROGRESS | COMPLETED => Begin::Mismatch,
-            s => return Err(corrupt(phase, format!("unknown record state {s}"))),
+            s => {
+                return Err(StoreError::corrupt(
+                    phase,
+                    format!("unknown record state {s}"),
+                ))
+            }
         })
     }
 
@@ -188,7 +248,12 @@ impl RawRecord {
                 response: self.response(phase)?,
                 expires_at: self.until(),
             },
-            s => return Err(corrupt(phase, format!("unknown record state {s}"))),
+            s => {
+                return Err(StoreError::corrupt(
+                    phase,
+                    format!("unknown record state {s}"),
+                ))
+            }
         };
         Ok(idem_core::Record { fingerprint, state })
     }
@@ -204,30 +269,352 @@ pub(crate) enum Failure {
     Fail(StoreError),
 }
 
+/// Maps a store statement's error by its [`ErrorKind`] (never by message
+/// text): a deadlock or serialization failure is retried; so is a unique
+/// violation in `begin` (its upsert never raises one for the key; should an
+/// operator's extra unique index do so, the statement changed nothing and
+/// may be repeated); a lock or statement time limit is
+/// [`StoreError::Timeout`]; an undecodable row is [`StoreError::Corrupt`];
+/// anything else [`StoreError::Unavailable`].
+pub(crate) fn classify(phase: Phase, e: sqlx::Error) -> Failure {
+    match error_kind(&e) {
+        Some(k) if k.is_conflict() => return Failure::Retry(e),
+        Some(ErrorKind::UniqueViolation) if phase == Phase::Begin => return Failure::Retry(e),
+        Some(k) if k.is_timeout() => return Failure::Fail(StoreError::Timeout { phase }),
+        _ => {}
+    }
+    Failure::Fail(match e {
+        sqlx::Error::ColumnDecode { .. }
+        | sqlx::Error::Decode(_)
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::ColumnIndexOutOfBounds { .. } => {
+            StoreError::corrupt(phase, format!("undecodable row: {e}"))
+        }
+        e => StoreError::unavailable(phase, e),
+    })
+}
+
 /// Runs `op` up to [`MAX_ATTEMPTS`] times while it fails with
 /// [`Failure::Retry`], pausing with [`backoff`] in between; the last
 /// transient error is reported as [`StoreError::Unavailable`].
-pub(crate) async fn with_retries<T, F, Fut>(phase: Phase, mut op: F) -> Result<T, StoreError>
+pub(crate) async fn with_retries<T, F, Fut>(phase: Phase, op: F) -> Result<T, StoreError>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, Failure>>,
+    Fut: Future<Output = Result<T, Failure>>,
 {
-    let mut attempt = 1;
+    retry(MAX_ATTEMPTS, BACKOFF_BASE, op, |f| {
+        matches!(f, Failure::Retry(_))
+    })
+    .await
+    .map_err(|f| match f {
+        Failure::Retry(e) => StoreError::unavailable(phase, e),
+        Failure::Fail(e) => e,
+    })
+}
+
+/// Runs `fut` under an optional client-side deadline; past it the step
+/// fails with [`StoreError::Timeout`] (its effect unknown).
+pub(crate) async fn limited<T, Fut>(
+    limit: Option<Duration>,
+    phase: Phase,
+    fut: Fut,
+) -> Result<T, Failure>
+where
+    Fut: Future<Output = Result<T, Failure>>,
+{
+    match limit {
+        Some(limit) => tokio::time::timeout(limit, fut)
+            .await
+            .unwrap_or(Err(Failure::Fail(StoreError::Timeout { phase }))),
+        None => fut.await,
+    }
+}
+
+/// A column of `row` decoded as `T`, or [`StoreError::Corrupt`].
+pub(crate) fn column<R, T>(row: &R, name: &str, phase: Phase) -> Result<T, StoreError>
+where
+    R: sqlx::Row,
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+    T: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    row.try_get(name)
+        .map_err(|e| StoreError::corrupt(phase, format!("undecodable column: {e}")))
+}
+
+/// The database clock a statement read (column `now_ms`), or
+/// [`StoreError::Corrupt`].
+pub(crate) fn now_of<R>(row: &R, phase: Phase) -> Result<i64, StoreError>
+where
+    R: sqlx::Row,
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+    i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    row.try_get("now_ms")
+        .map_err(|e| StoreError::corrupt(phase, format!("undecodable clock: {e}")))
+}
+
+impl RawRecord {
+    /// Decodes the columns `fingerprint`, `state` (stored as `S`: SQLite
+    /// `INTEGER`, PostgreSQL `smallint`, MySQL `TINYINT`), `fence`,
+    /// `deadline` and `response` of `row`.
+    pub(crate) fn from_row<R, S>(row: &R, phase: Phase) -> Result<Self, StoreError>
+    where
+        R: sqlx::Row,
+        for<'a> &'a str: sqlx::ColumnIndex<R>,
+        S: Into<i64> + for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        Vec<u8>: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    {
+        Ok(Self {
+            fingerprint: column(row, "fingerprint", phase)?,
+            state: column::<R, S>(row, "state", phase)?.into(),
+            fence: column(row, "fence", phase)?,
+            deadline: column(row, "deadline", phase)?,
+            response: column(row, "response", phase)?,
+        })
+    }
+
+    /// The fence and the time left on the lease of a live claim (in
+    /// progress before its lease end at `now`); `None` otherwise.
+    pub(crate) fn live_claim(&self, now: i64) -> Option<(i64, Duration)> {
+        (self.state == IN_PROGRESS && self.deadline > now).then(|| {
+            (
+                self.fence,
+                Duration::from_millis(u64::try_from(self.deadline - now).unwrap_or(0)),
+            )
+        })
+    }
+}
+
+/// `Ok(())` when a step guarded by the lease's fence matched its row;
+/// [`StoreError::LeaseLost`] when it matched none (the fence is no longer
+/// current).
+pub(crate) fn lease_kept(matched: bool, lease: &Lease) -> Result<(), StoreError> {
+    if matched {
+        Ok(())
+    } else {
+        Err(StoreError::LeaseLost { fence: lease.fence })
+    }
+}
+
+/// A server store's query (scope and key are bound as bytes).
+type Query<'q, DB> = sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>;
+
+/// Binds a record's `scope` and `key` (as bytes) to `q`.
+pub(crate) fn bind_key<'q, DB>(
+    q: Query<'q, DB>,
+    scope: &'q Scope,
+    key: &'q IdempotencyKey,
+) -> Query<'q, DB>
+where
+    DB: sqlx::Database,
+    &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    q.bind(scope.as_str().as_bytes())
+        .bind(key.as_str().as_bytes())
+}
+
+/// Binds a lease step's guard, its `scope`, `key` (as bytes) and `fence`.
+pub(crate) fn bind_lease<'q, DB>(q: Query<'q, DB>, lease: &'q Lease) -> Query<'q, DB>
+where
+    DB: sqlx::Database,
+    &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    bind_key(q, &lease.scope, &lease.key).bind(to_i64(lease.fence))
+}
+
+/// Runs `step` (one batch of a purge, answering how many rows it removed)
+/// until a batch removes fewer than `batch` rows; the total removed.
+pub(crate) async fn in_batches<Fut>(
+    batch: i64,
+    mut step: impl FnMut() -> Fut,
+) -> Result<u64, StoreError>
+where
+    Fut: Future<Output = Result<u64, StoreError>>,
+{
+    let mut total = 0;
     loop {
-        match op().await {
-            Ok(v) => return Ok(v),
-            Err(Failure::Fail(e)) => return Err(e),
-            Err(Failure::Retry(e)) if attempt >= MAX_ATTEMPTS => {
-                return Err(StoreError::unavailable(phase, e));
-            }
-            Err(Failure::Retry(e)) => {
-                tracing::debug!(%phase, attempt, error = %e, "transient database conflict; retrying");
-                tokio::time::sleep(backoff(attempt)).await;
-                attempt += 1;
-            }
+        let n = step().await?;
+        total += n;
+        if n < u64::try_from(batch).unwrap_or(0) {
+            return Ok(total);
         }
     }
 }
+
+/// Checks that a server URL has one of `schemes` (compared without case).
+///
+/// # Errors
+/// [`StoreError::Config`] with `hint`.
+pub(crate) fn check_scheme(url: &str, schemes: &[&str], hint: &str) -> Result<(), StoreError> {
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    if scheme.is_some_and(|s| schemes.contains(&s.as_str())) {
+        Ok(())
+    } else {
+        Err(StoreError::Config(hint.to_owned()))
+    }
+}
+
+/// Opens a server store's first, direct connection within `timeout`: it
+/// fails fast (a pool would retry a refused connection until its acquire
+/// timeout and report only "timed out"), and it runs the migrations.
+pub(crate) async fn connect_first<C>(
+    timeout: Duration,
+    server: &str,
+    connect: impl Future<Output = Result<C, sqlx::Error>>,
+) -> Result<C, StoreError> {
+    match tokio::time::timeout(timeout, connect).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(StoreError::unavailable(Phase::Connect, e)),
+        Err(_) => Err(StoreError::unavailable(
+            Phase::Connect,
+            format!("no connection to {server} within {timeout:?}"),
+        )),
+    }
+}
+
+/// A connection of `pool` for creating or checking the schema.
+///
+/// # Errors
+/// [`StoreError::Unavailable`] (phase `Connect`).
+pub(crate) async fn setup_connection<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+) -> Result<sqlx::pool::PoolConnection<DB>, StoreError> {
+    pool.acquire()
+        .await
+        .map_err(|e| StoreError::unavailable(Phase::Connect, e))
+}
+
+/// The pool settings of a server store: `max_connections` (at least 1),
+/// `acquire_timeout`, and a ping before handing out a connection idle for
+/// more than [`PING_IDLE_AFTER`] (not before every use: that would double
+/// the round trips of every step).
+pub(crate) fn pool_options<DB: sqlx::Database>(
+    max_connections: u32,
+    acquire_timeout: Duration,
+) -> sqlx::pool::PoolOptions<DB> {
+    sqlx::pool::PoolOptions::new()
+        .max_connections(max_connections.max(1))
+        .acquire_timeout(acquire_timeout)
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for > PING_IDLE_AFTER {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
+}
+
+/// Compares an existing table's columns (`found`: name and type as the
+/// catalog reports them) with the ones a store needs; `Ok(false)` when
+/// nothing was found (no table).
+///
+/// # Errors
+/// [`StoreError::Config`] naming the missing columns of `table`.
+pub(crate) fn check_columns(
+    found: &[(String, String)],
+    needed: &[(&str, &str)],
+    table: &str,
+) -> Result<bool, StoreError> {
+    if found.is_empty() {
+        return Ok(false);
+    }
+    let wrong: Vec<String> = needed
+        .iter()
+        .filter(|(name, ty)| !found.iter().any(|(n, t)| n == name && t == ty))
+        .map(|(name, ty)| format!("{name} {ty}"))
+        .collect();
+    if wrong.is_empty() {
+        Ok(true)
+    } else {
+        Err(StoreError::Config(format!(
+            "table {table} exists but is not an idem table: it lacks {}",
+            wrong.join(", ")
+        )))
+    }
+}
+
+/// Polls `claim` every `interval` until it no longer reports the claim
+/// `fence` (completed, released, taken over, past its lease) or `until`.
+pub(crate) async fn poll_while_claimed<Fut>(
+    until: tokio::time::Instant,
+    interval: Duration,
+    fence: i64,
+    mut claim: impl FnMut() -> Fut,
+) -> Result<(), StoreError>
+where
+    Fut: Future<Output = Result<Option<i64>, StoreError>>,
+{
+    loop {
+        let now = tokio::time::Instant::now();
+        if now >= until {
+            return Ok(());
+        }
+        tokio::time::sleep((until - now).min(interval)).await;
+        if claim().await? != Some(fence) {
+            return Ok(());
+        }
+    }
+}
+
+/// The `with_*` setters the stores' option structs share, one per field
+/// named (each sets the field of that name, with the bounds its doc says).
+macro_rules! option_setters {
+    ($($field:ident),* $(,)?) => { $( $crate::common::option_setters!(@ $field); )* };
+    (@ table) => {
+        /// Sets [`Self::table`] (validated when the store connects).
+        pub fn with_table(mut self, table: impl Into<String>) -> Self {
+            self.table = table.into();
+            self
+        }
+    };
+    (@ max_connections) => {
+        /// Sets [`Self::max_connections`] (0 is taken as 1).
+        pub fn with_max_connections(mut self, n: u32) -> Self {
+            self.max_connections = n.max(1);
+            self
+        }
+    };
+    (@ acquire_timeout) => {
+        /// Sets [`Self::acquire_timeout`].
+        pub fn with_acquire_timeout(mut self, d: std::time::Duration) -> Self {
+            self.acquire_timeout = d;
+            self
+        }
+    };
+    (@ connect_timeout) => {
+        /// Sets [`Self::connect_timeout`].
+        pub fn with_connect_timeout(mut self, d: std::time::Duration) -> Self {
+            self.connect_timeout = d;
+            self
+        }
+    };
+    (@ statement_timeout) => {
+        /// Sets [`Self::statement_timeout`] (`None`: the server's setting).
+        pub fn with_statement_timeout(mut self, d: Option<std::time::Duration>) -> Self {
+            self.statement_timeout = d;
+            self
+        }
+    };
+    (@ migrate) => {
+        /// Sets [`Self::migrate`].
+        pub fn with_migrate(mut self, migrate: bool) -> Self {
+            self.migrate = migrate;
+            self
+        }
+    };
+    (@ poll_interval) => {
+        /// Sets [`Self::poll_interval`] (at least 1 ms).
+        pub fn with_poll_interval(mut self, d: std::time::Duration) -> Self {
+            self.poll_interval = d.max(std::time::Duration::from_millis(1));
+            self
+        }
+    };
+}
+pub(crate) use option_setters;
 
 #[cfg(test)]
 mod tests {

@@ -72,6 +72,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use sqlx::{Pool, Transaction};
 
+use crate::common::{retry, BACKOFF_BASE};
+use crate::dialect::{error_kind, is_plain_ident, Dialect, ErrorKind};
+
 /// The default inbox table name.
 pub const DEFAULT_TABLE: &str = "idem_inbox";
 
@@ -204,7 +207,8 @@ pub struct InboxOptions {
     /// Default [`DEFAULT_TABLE`] (`idem_inbox`).
     pub table: String,
     /// How many times a deadlock / lock-wait timeout / busy database on the
-    /// inbox insert is retried (a new transaction each time). Default 5.
+    /// inbox insert is retried (a new transaction each time, after a pause
+    /// of 5 ms × 2ⁿ, jittered). Default 5.
     pub retries: u32,
 }
 
@@ -258,6 +262,80 @@ pub struct Statements {
     insert: String,
     exists: String,
     purge: String,
+    /// The purge's bound value per millisecond of age (MySQL binds µs).
+    purge_units_per_ms: i64,
+}
+
+impl Statements {
+    /// The inbox's statements on `table` (validated parts) in dialect `d`:
+    /// only the table's DDL, the time stamp and the purge cut-off differ.
+    fn new(d: Dialect, table: &[String]) -> Self {
+        let t = d.quote_path(table);
+        let name = table.last().expect("one part at least");
+        let [p1, p2] = d.params::<2>();
+        let index = d.quote(&format!("{name}_processed_at"));
+        let (migrate, stamp, cutoff, purge_units_per_ms) = match d {
+            Dialect::Sqlite => {
+                // SQLite qualifies the index, not its table.
+                let index = match table {
+                    [schema, _] => format!("{}.{index}", d.quote(schema)),
+                    _ => index,
+                };
+                let now_ms = d.now_ms();
+                (
+                    vec![
+                        format!(
+                            "CREATE TABLE IF NOT EXISTS {t} (consumer TEXT NOT NULL, \
+                             message_id TEXT NOT NULL, processed_at INTEGER NOT NULL, \
+                             PRIMARY KEY (consumer, message_id)) WITHOUT ROWID"
+                        ),
+                        format!(
+                            "CREATE INDEX IF NOT EXISTS {index} ON {} (processed_at)",
+                            d.quote(name)
+                        ),
+                    ],
+                    now_ms.to_owned(),
+                    format!("{now_ms} - ?1"),
+                    1,
+                )
+            }
+            #[cfg(feature = "postgres")]
+            Dialect::Postgres => (
+                vec![
+                    format!(
+                        "CREATE TABLE IF NOT EXISTS {t} (consumer TEXT NOT NULL, \
+                         message_id TEXT NOT NULL, processed_at TIMESTAMPTZ NOT NULL DEFAULT now(), \
+                         PRIMARY KEY (consumer, message_id))"
+                    ),
+                    format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
+                ],
+                "now()".to_owned(),
+                "now() - make_interval(secs => $1::float8 / 1000)".to_owned(),
+                1,
+            ),
+            #[cfg(feature = "mysql")]
+            Dialect::MySql => (
+                vec![format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (consumer VARCHAR(255) NOT NULL, \
+                     message_id VARCHAR(255) NOT NULL, processed_at DATETIME(3) NOT NULL, \
+                     PRIMARY KEY (consumer, message_id), KEY {index} (processed_at)) \
+                     ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+                )],
+                "UTC_TIMESTAMP(3)".to_owned(),
+                "UTC_TIMESTAMP(3) - INTERVAL ? MICROSECOND".to_owned(),
+                1000,
+            ),
+        };
+        Self {
+            migrate,
+            insert: format!(
+                "INSERT INTO {t} (consumer, message_id, processed_at) VALUES ({p1}, {p2}, {stamp})"
+            ),
+            exists: format!("SELECT 1 FROM {t} WHERE consumer = {p1} AND message_id = {p2}"),
+            purge: format!("DELETE FROM {t} WHERE processed_at < {cutoff}"),
+            purge_units_per_ms,
+        }
+    }
 }
 
 impl<DB: InboxDatabase> Inbox<DB> {
@@ -274,7 +352,7 @@ impl<DB: InboxDatabase> Inbox<DB> {
         let parts = split_table(&options.table)?;
         Ok(Self {
             pool,
-            sql: DB::statements(&parts),
+            sql: Statements::new(DB::DIALECT, &parts),
             retries: options.retries,
         })
     }
@@ -310,27 +388,33 @@ impl<DB: InboxDatabase> Inbox<DB> {
     pub async fn claim(&self, consumer: &str, message_id: &str) -> Result<Claim<DB>, InboxError> {
         check_id("consumer", consumer)?;
         check_id("message id", message_id)?;
-        let mut attempt = 0u32;
-        loop {
+        let attempt = || async {
             let mut tx = DB::begin(&self.pool)
                 .await
                 .map_err(InboxError::db("begin"))?;
             match DB::insert(&mut tx, &self.sql.insert, consumer, message_id).await {
-                Ok(()) => return Ok(Claim::New(InboxTx { tx })),
-                Err(e) if DB::is_duplicate(&e) => {
+                Ok(()) => Ok(Claim::New(InboxTx { tx })),
+                Err(e) if is_duplicate(&e) => {
                     // Nothing was written; on PostgreSQL the transaction is
                     // aborted anyway. A failed rollback only drops the connection.
                     let _ = tx.rollback().await;
-                    return Ok(Claim::Duplicate);
+                    Ok(Claim::Duplicate)
                 }
-                Err(e) if DB::is_retryable(&e) && attempt < self.retries => {
-                    let _ = tx.rollback().await;
-                    attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(5 * u64::from(attempt))).await;
+                Err(e) => {
+                    if is_retryable(&e) {
+                        let _ = tx.rollback().await;
+                    }
+                    Err(InboxError::db("insert")(e))
                 }
-                Err(e) => return Err(InboxError::db("insert")(e)),
             }
-        }
+        };
+        retry(
+            self.retries.saturating_add(1),
+            BACKOFF_BASE,
+            attempt,
+            |e| matches!(e, InboxError::Database { op: "insert", source } if is_retryable(source)),
+        )
+        .await
     }
 
     /// Runs `handler` on the transaction that holds the new inbox row and
@@ -390,7 +474,8 @@ impl<DB: InboxDatabase> Inbox<DB> {
     /// [`InboxError::Database`] (op `"purge"`).
     pub async fn purge_older_than(&self, age: Duration) -> Result<u64, InboxError> {
         let ms = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
-        DB::purge(&self.pool, &self.sql.purge, ms)
+        let age = ms.saturating_mul(self.sql.purge_units_per_ms);
+        DB::purge(&self.pool, &self.sql.purge, age)
             .await
             .map_err(InboxError::db("purge"))
     }
@@ -403,32 +488,32 @@ fn check_id(what: &'static str, s: &str) -> Result<(), InboxError> {
     Ok(())
 }
 
-fn is_ident(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        && name.len() <= MAX_IDENT_LEN
-}
-
 /// `table` or `schema.table`, each part a plain identifier.
 fn split_table(table: &str) -> Result<Vec<String>, InboxError> {
     let parts: Vec<String> = table.split('.').map(str::to_owned).collect();
-    if parts.len() > 2 || !parts.iter().all(|p| is_ident(p)) {
+    if parts.len() > 2 || !parts.iter().all(|p| is_plain_ident(p, MAX_IDENT_LEN)) {
         return Err(InboxError::InvalidTable(table.to_owned()));
     }
     Ok(parts)
 }
 
-/// `parts` quoted with `q` and joined by `.` (parts passed `is_ident`: no
-/// quote character can occur in them).
-fn quoted(parts: &[String], q: char) -> String {
-    parts
-        .iter()
-        .map(|p| format!("{q}{p}{q}"))
-        .collect::<Vec<_>>()
-        .join(".")
+/// The duplicate-key error of the inbox insert, by code.
+fn is_duplicate(e: &sqlx::Error) -> bool {
+    error_kind(e) == Some(ErrorKind::UniqueViolation)
+}
+
+/// A deadlock / serialization failure / lock-wait timeout / busy database,
+/// after which a new attempt may succeed.
+fn is_retryable(e: &sqlx::Error) -> bool {
+    matches!(
+        error_kind(e),
+        Some(
+            ErrorKind::Deadlock
+                | ErrorKind::SerializationFailure
+                | ErrorKind::LockWaitTimeout
+                | ErrorKind::Busy
+        )
+    )
 }
 
 mod sealed {
@@ -436,11 +521,13 @@ mod sealed {
 }
 
 /// A database the inbox runs on: `sqlx::Sqlite`, `sqlx::Postgres`,
-/// `sqlx::MySql`. Sealed; its methods are the per-dialect statements.
+/// `sqlx::MySql`. Sealed; its items are the dialect and the driver calls
+/// (the same for all three, except how a transaction begins and how DDL is
+/// sent).
 #[async_trait]
 pub trait InboxDatabase: sqlx::Database + sealed::Sealed {
     #[doc(hidden)]
-    fn statements(table: &[String]) -> Statements;
+    const DIALECT: Dialect;
     #[doc(hidden)]
     async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error>;
     #[doc(hidden)]
@@ -460,279 +547,74 @@ pub trait InboxDatabase: sqlx::Database + sealed::Sealed {
         id: &str,
     ) -> Result<bool, sqlx::Error>;
     #[doc(hidden)]
-    async fn purge(pool: &Pool<Self>, sql: &str, age_ms: i64) -> Result<u64, sqlx::Error>;
-    /// The duplicate-key error of the inbox insert, by code.
-    #[doc(hidden)]
-    fn is_duplicate(e: &sqlx::Error) -> bool;
-    /// A deadlock / busy / serialization error after which a new attempt may succeed.
-    #[doc(hidden)]
-    fn is_retryable(e: &sqlx::Error) -> bool;
+    async fn purge(pool: &Pool<Self>, sql: &str, age: i64) -> Result<u64, sqlx::Error>;
 }
 
-fn db_code(e: &sqlx::Error) -> Option<String> {
-    match e {
-        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
-        _ => None,
-    }
-}
+/// Implements [`InboxDatabase`] for a sqlx database of `$dialect`, sending
+/// DDL with `sqlx::$ddl` (`query`, or `raw_sql` where DDL is not prepared).
+macro_rules! inbox_database {
+    ($db:ty, $dialect:expr, $ddl:ident) => {
+        impl sealed::Sealed for $db {}
 
-impl sealed::Sealed for sqlx::Sqlite {}
+        #[async_trait]
+        impl InboxDatabase for $db {
+            const DIALECT: Dialect = $dialect;
 
-#[async_trait]
-impl InboxDatabase for sqlx::Sqlite {
-    fn statements(table: &[String]) -> Statements {
-        let t = quoted(table, '"');
-        let name = table.last().expect("one part at least");
-        let index = match table {
-            [schema, _] => format!("\"{schema}\".\"{name}_processed_at\""),
-            _ => format!("\"{name}_processed_at\""),
-        };
-        let now_ms = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
-        Statements {
-            migrate: vec![
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL, \
-                     processed_at INTEGER NOT NULL, PRIMARY KEY (consumer, message_id)) WITHOUT ROWID"
-                ),
-                format!("CREATE INDEX IF NOT EXISTS {index} ON \"{name}\" (processed_at)"),
-            ],
-            insert: format!("INSERT INTO {t} (consumer, message_id, processed_at) VALUES (?1, ?2, {now_ms})"),
-            exists: format!("SELECT 1 FROM {t} WHERE consumer = ?1 AND message_id = ?2"),
-            purge: format!("DELETE FROM {t} WHERE processed_at < {now_ms} - ?1"),
+            async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+                match $dialect.write_begin() {
+                    Some(statement) => pool.begin_with(statement).await,
+                    None => pool.begin().await,
+                }
+            }
+
+            async fn execute(pool: &Pool<Self>, sql: &str) -> Result<(), sqlx::Error> {
+                sqlx::$ddl(sql).execute(pool).await.map(|_| ())
+            }
+
+            async fn insert(
+                tx: &mut Transaction<'static, Self>,
+                sql: &str,
+                consumer: &str,
+                id: &str,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query(sql)
+                    .bind(consumer)
+                    .bind(id)
+                    .execute(&mut **tx)
+                    .await
+                    .map(|_| ())
+            }
+
+            async fn exists(
+                pool: &Pool<Self>,
+                sql: &str,
+                consumer: &str,
+                id: &str,
+            ) -> Result<bool, sqlx::Error> {
+                let row = sqlx::query(sql)
+                    .bind(consumer)
+                    .bind(id)
+                    .fetch_optional(pool)
+                    .await?;
+                Ok(row.is_some())
+            }
+
+            async fn purge(pool: &Pool<Self>, sql: &str, age: i64) -> Result<u64, sqlx::Error> {
+                Ok(sqlx::query(sql)
+                    .bind(age)
+                    .execute(pool)
+                    .await?
+                    .rows_affected())
+            }
         }
-    }
-
-    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        // IMMEDIATE: take the write lock up front (waited for by the busy
-        // timeout) rather than upgrading a read lock later.
-        pool.begin_with("BEGIN IMMEDIATE").await
-    }
-
-    async fn execute(pool: &Pool<Self>, sql: &str) -> Result<(), sqlx::Error> {
-        sqlx::query(sql).execute(pool).await.map(|_| ())
-    }
-
-    async fn insert(
-        tx: &mut Transaction<'static, Self>,
-        sql: &str,
-        consumer: &str,
-        id: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(sql)
-            .bind(consumer)
-            .bind(id)
-            .execute(&mut **tx)
-            .await
-            .map(|_| ())
-    }
-
-    async fn exists(
-        pool: &Pool<Self>,
-        sql: &str,
-        consumer: &str,
-        id: &str,
-    ) -> Result<bool, sqlx::Error> {
-        let row = sqlx::query(sql)
-            .bind(consumer)
-            .bind(id)
-            .fetch_optional(pool)
-            .await?;
-        Ok(row.is_some())
-    }
-
-    async fn purge(pool: &Pool<Self>, sql: &str, age_ms: i64) -> Result<u64, sqlx::Error> {
-        Ok(sqlx::query(sql)
-            .bind(age_ms)
-            .execute(pool)
-            .await?
-            .rows_affected())
-    }
-
-    fn is_duplicate(e: &sqlx::Error) -> bool {
-        // SQLITE_CONSTRAINT_PRIMARYKEY (1555), SQLITE_CONSTRAINT_UNIQUE (2067):
-        // extended result codes, which sqlx reports as the code.
-        matches!(db_code(e).as_deref(), Some("1555" | "2067"))
-    }
-
-    fn is_retryable(e: &sqlx::Error) -> bool {
-        // SQLITE_BUSY (5) and its extended forms (…5 mod 256), SQLITE_LOCKED (6).
-        db_code(e)
-            .and_then(|c| c.parse::<i32>().ok())
-            .is_some_and(|c| matches!(c & 0xff, 5 | 6))
-    }
+    };
 }
 
+inbox_database!(sqlx::Sqlite, Dialect::Sqlite, query);
 #[cfg(feature = "postgres")]
-impl sealed::Sealed for sqlx::Postgres {}
-
-#[cfg(feature = "postgres")]
-#[async_trait]
-impl InboxDatabase for sqlx::Postgres {
-    fn statements(table: &[String]) -> Statements {
-        let t = quoted(table, '"');
-        let name = table.last().expect("one part at least");
-        Statements {
-            migrate: vec![
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (consumer TEXT NOT NULL, message_id TEXT NOT NULL, \
-                     processed_at TIMESTAMPTZ NOT NULL DEFAULT now(), PRIMARY KEY (consumer, message_id))"
-                ),
-                format!("CREATE INDEX IF NOT EXISTS \"{name}_processed_at\" ON {t} (processed_at)"),
-            ],
-            insert: format!("INSERT INTO {t} (consumer, message_id, processed_at) VALUES ($1, $2, now())"),
-            exists: format!("SELECT 1 FROM {t} WHERE consumer = $1 AND message_id = $2"),
-            purge: format!(
-                "DELETE FROM {t} WHERE processed_at < now() - make_interval(secs => $1::float8 / 1000)"
-            ),
-        }
-    }
-
-    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        pool.begin().await
-    }
-
-    async fn execute(pool: &Pool<Self>, sql: &str) -> Result<(), sqlx::Error> {
-        sqlx::query(sql).execute(pool).await.map(|_| ())
-    }
-
-    async fn insert(
-        tx: &mut Transaction<'static, Self>,
-        sql: &str,
-        consumer: &str,
-        id: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(sql)
-            .bind(consumer)
-            .bind(id)
-            .execute(&mut **tx)
-            .await
-            .map(|_| ())
-    }
-
-    async fn exists(
-        pool: &Pool<Self>,
-        sql: &str,
-        consumer: &str,
-        id: &str,
-    ) -> Result<bool, sqlx::Error> {
-        let row = sqlx::query(sql)
-            .bind(consumer)
-            .bind(id)
-            .fetch_optional(pool)
-            .await?;
-        Ok(row.is_some())
-    }
-
-    async fn purge(pool: &Pool<Self>, sql: &str, age_ms: i64) -> Result<u64, sqlx::Error> {
-        Ok(sqlx::query(sql)
-            .bind(age_ms)
-            .execute(pool)
-            .await?
-            .rows_affected())
-    }
-
-    fn is_duplicate(e: &sqlx::Error) -> bool {
-        // unique_violation
-        db_code(e).as_deref() == Some("23505")
-    }
-
-    fn is_retryable(e: &sqlx::Error) -> bool {
-        // serialization_failure, deadlock_detected
-        matches!(db_code(e).as_deref(), Some("40001" | "40P01"))
-    }
-}
-
+inbox_database!(sqlx::Postgres, Dialect::Postgres, query);
 #[cfg(feature = "mysql")]
-impl sealed::Sealed for sqlx::MySql {}
-
-#[cfg(feature = "mysql")]
-fn mysql_errno(e: &sqlx::Error) -> Option<u16> {
-    match e {
-        sqlx::Error::Database(db) => db
-            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-            .map(|m| m.number()),
-        _ => None,
-    }
-}
-
-#[cfg(feature = "mysql")]
-#[async_trait]
-impl InboxDatabase for sqlx::MySql {
-    fn statements(table: &[String]) -> Statements {
-        let t = quoted(table, '`');
-        let name = table.last().expect("one part at least");
-        Statements {
-            migrate: vec![format!(
-                "CREATE TABLE IF NOT EXISTS {t} (consumer VARCHAR(255) NOT NULL, \
-                 message_id VARCHAR(255) NOT NULL, processed_at DATETIME(3) NOT NULL, \
-                 PRIMARY KEY (consumer, message_id), KEY `{name}_processed_at` (processed_at)) \
-                 ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
-            )],
-            insert: format!(
-                "INSERT INTO {t} (consumer, message_id, processed_at) VALUES (?, ?, UTC_TIMESTAMP(3))"
-            ),
-            exists: format!("SELECT 1 FROM {t} WHERE consumer = ? AND message_id = ?"),
-            purge: format!(
-                "DELETE FROM {t} WHERE processed_at < UTC_TIMESTAMP(3) - INTERVAL ? MICROSECOND"
-            ),
-        }
-    }
-
-    async fn begin(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        pool.begin().await
-    }
-
-    async fn execute(pool: &Pool<Self>, sql: &str) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(sql).execute(pool).await.map(|_| ())
-    }
-
-    async fn insert(
-        tx: &mut Transaction<'static, Self>,
-        sql: &str,
-        consumer: &str,
-        id: &str,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(sql)
-            .bind(consumer)
-            .bind(id)
-            .execute(&mut **tx)
-            .await
-            .map(|_| ())
-    }
-
-    async fn exists(
-        pool: &Pool<Self>,
-        sql: &str,
-        consumer: &str,
-        id: &str,
-    ) -> Result<bool, sqlx::Error> {
-        let row = sqlx::query(sql)
-            .bind(consumer)
-            .bind(id)
-            .fetch_optional(pool)
-            .await?;
-        Ok(row.is_some())
-    }
-
-    async fn purge(pool: &Pool<Self>, sql: &str, age_ms: i64) -> Result<u64, sqlx::Error> {
-        let micros = age_ms.saturating_mul(1000);
-        Ok(sqlx::query(sql)
-            .bind(micros)
-            .execute(pool)
-            .await?
-            .rows_affected())
-    }
-
-    fn is_duplicate(e: &sqlx::Error) -> bool {
-        // ER_DUP_ENTRY
-        mysql_errno(e) == Some(1062)
-    }
-
-    fn is_retryable(e: &sqlx::Error) -> bool {
-        // ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT
-        matches!(mysql_errno(e), Some(1213 | 1205))
-    }
-}
+inbox_database!(sqlx::MySql, Dialect::MySql, raw_sql);
 
 #[cfg(test)]
 mod tests {

@@ -10,6 +10,16 @@
 //! | `PostgresStore` (feature `postgres`, default) | `postgres://user@host:5432/db` | several instances, durable; waiters woken by `LISTEN`/`NOTIFY` |
 //! | `MySqlStore` (feature `mysql`, default) | `mysql://user@host:3306/db` (MySQL 8.0+, MariaDB 10.5+) | several instances where MySQL/MariaDB is the house database |
 //!
+//! ## Where things live
+//! - What differs per database — the "now in ms" expression, identifier
+//!   rules and quoting, placeholders, and what a driver error means (by
+//!   SQLSTATE, MySQL error number or SQLite extended code) — is in one
+//!   private module, `dialect`. A new dialect adds a variant and its arms
+//!   there; the stores, [`lock`], [`inbox`] and [`patterns`] write their
+//!   statements with it and map its error kinds to their own answers.
+//! - What the stores share (record decoding, the one bounded retry loop,
+//!   error classification, pool and schema checks) is in `common`.
+//!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -26,8 +36,8 @@
 //! # Ok(()) }
 //! ```
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod common;
+mod dialect;
 pub mod inbox;
 pub mod lock;
 #[cfg(feature = "mysql")]

@@ -13,8 +13,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::lock::{new_owner_token, LockBackend, LockError, LockLease, LockOp, TryAcquire};
-use idem_core::Millis;
 use sqlx::Row;
+
+use crate::common::{millis, span_ms};
+use crate::dialect::{error_kind, is_plain_ident, Dialect, ErrorKind};
 
 /// Default table of [`LeaseLockBackend`].
 pub const DEFAULT_LOCK_TABLE: &str = "idem_locks";
@@ -23,17 +25,6 @@ pub const DEFAULT_FENCE_TABLE: &str = "idem_lock_fences";
 /// Longest table name accepted (PostgreSQL keeps 63 bytes; a little room
 /// is left for derived names).
 pub const MAX_LOCK_TABLE_LEN: usize = 54;
-
-/// SQLite: ms since the epoch, constant within one statement.
-const SQLITE_NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
-/// PostgreSQL: ms since the epoch when the expression is evaluated.
-#[cfg(feature = "postgres")]
-const PG_NOW_MS: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
-/// MySQL / MariaDB: ms since the epoch, independent of the session's time
-/// zone, constant within one statement.
-#[cfg(feature = "mysql")]
-const MY_NOW_MS: &str =
-    "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED)";
 
 /// How often a MySQL step is tried when InnoDB reports a deadlock or a lock
 /// wait timeout (the transaction was rolled back).
@@ -47,14 +38,7 @@ const MY_ATTEMPTS: u32 = 6;
 /// # Errors
 /// [`LockError::Config`].
 pub fn validate_table(name: &str) -> Result<(), LockError> {
-    let mut chars = name.chars();
-    let first = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
-    if first
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        && name.len() <= MAX_LOCK_TABLE_LEN
-    {
+    if is_plain_ident(name, MAX_LOCK_TABLE_LEN) {
         Ok(())
     } else {
         Err(LockError::Config(format!(
@@ -62,13 +46,6 @@ pub fn validate_table(name: &str) -> Result<(), LockError> {
              {MAX_LOCK_TABLE_LEN} characters of [A-Za-z0-9_], not starting with a digit"
         )))
     }
-}
-
-fn ttl_ms(ttl: Duration) -> i64 {
-    // 30 days at most by `idem_core::lock::validate_ttl`; capped anyway.
-    i64::try_from(idem_core::duration_ms(ttl))
-        .unwrap_or(i64::MAX)
-        .min(1_000_000_000_000_000)
 }
 
 fn db_err(op: LockOp) -> impl Fn(sqlx::Error) -> LockError {
@@ -93,12 +70,25 @@ fn fence_of(v: i64, op: LockOp) -> Result<u64, LockError> {
     }
 }
 
-fn millis(v: i64) -> Millis {
-    Millis(u64::try_from(v).unwrap_or(0))
-}
-
 fn retry_after(left_ms: Option<i64>) -> Duration {
     Duration::from_millis(u64::try_from(left_ms.unwrap_or(1)).unwrap_or(1).max(1))
+}
+
+/// `CREATE TABLE IF NOT EXISTS` racing with itself on PostgreSQL can fail
+/// with unique_violation (23505) on the catalog or duplicate_table (42P07):
+/// the table exists then.
+fn ignore_created_concurrently<T>(r: Result<T, sqlx::Error>) -> Result<(), sqlx::Error> {
+    match r {
+        Err(e)
+            if !matches!(
+                error_kind(&e),
+                Some(ErrorKind::UniqueViolation | ErrorKind::DuplicateTable)
+            ) =>
+        {
+            Err(e)
+        }
+        _ => Ok(()),
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -108,6 +98,130 @@ enum Db {
     Postgres(sqlx::PgPool),
     #[cfg(feature = "mysql")]
     MySql(sqlx::MySqlPool),
+}
+
+impl Db {
+    fn dialect(&self) -> Dialect {
+        match self {
+            Self::Sqlite(_) => Dialect::Sqlite,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(_) => Dialect::Postgres,
+            #[cfg(feature = "mysql")]
+            Self::MySql(_) => Dialect::MySql,
+        }
+    }
+}
+
+/// Runs `$body` with `$pool` bound to the pool of a database that has
+/// `INSERT … ON CONFLICT … RETURNING` (SQLite, PostgreSQL); MySQL's steps
+/// are [`LeaseLockBackend`]'s `mysql_*` methods, dispatched before.
+macro_rules! on_returning_pool {
+    ($db:expr, $pool:ident => $body:expr) => {
+        match $db {
+            Db::Sqlite($pool) => $body,
+            #[cfg(feature = "postgres")]
+            Db::Postgres($pool) => $body,
+            #[cfg(feature = "mysql")]
+            Db::MySql(_) => unreachable!("MySQL steps are dispatched before"),
+        }
+    };
+}
+
+/// The statements of a lease table, with the table's quoted name, the
+/// dialect's placeholders and its clock filled in.
+#[derive(Debug, Clone)]
+struct LeaseSql {
+    create: String,
+    /// SQLite / PostgreSQL: the grant, `RETURNING fence, until_ms` (no row:
+    /// held). MySQL: the upsert, read back by `read`.
+    acquire: String,
+    /// SQLite / PostgreSQL: the time left on a held lease. MySQL: the row
+    /// as the upsert left it.
+    read: String,
+    extend: String,
+    /// MySQL: the renewed row, read back in the renewal's transaction.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    extend_read: String,
+    release: String,
+}
+
+impl LeaseSql {
+    fn new(d: Dialect, table: &str) -> Self {
+        let t = d.quote(table);
+        let now = d.now_ms();
+        let [p1, p2, p3] = d.params::<3>();
+        let create = match d {
+            Dialect::Sqlite => format!(
+                "CREATE TABLE IF NOT EXISTS {t} (name TEXT NOT NULL PRIMARY KEY, \
+                 owner TEXT NULL, fence INTEGER NOT NULL, until_ms INTEGER NOT NULL)"
+            ),
+            #[cfg(feature = "postgres")]
+            Dialect::Postgres => format!(
+                "CREATE TABLE IF NOT EXISTS {t} (name TEXT NOT NULL PRIMARY KEY, \
+                 owner TEXT NULL, fence BIGINT NOT NULL, until_ms BIGINT NOT NULL)"
+            ),
+            #[cfg(feature = "mysql")]
+            Dialect::MySql => format!(
+                "CREATE TABLE IF NOT EXISTS {t} (name VARBINARY(255) NOT NULL PRIMARY KEY, \
+                 owner VARBINARY(64) NULL, fence BIGINT NOT NULL, until_ms BIGINT NOT NULL) \
+                 ENGINE=InnoDB"
+            ),
+        };
+        let (acquire, read) = match d {
+            // Assignments in ON DUPLICATE KEY UPDATE run left to right and
+            // see earlier ones, so `until_ms` (the condition) is assigned
+            // last. The read-back in the same transaction sees the row as
+            // this statement left it (its row lock is held).
+            #[cfg(feature = "mysql")]
+            Dialect::MySql => (
+                format!(
+                    "INSERT INTO {t} (name, owner, fence, until_ms) \
+                     VALUES (?, ?, 1, {now} + ?) \
+                     ON DUPLICATE KEY UPDATE \
+                       owner = IF(until_ms <= {now}, VALUES(owner), owner), \
+                       fence = IF(until_ms <= {now}, fence + 1, fence), \
+                       until_ms = IF(until_ms <= {now}, VALUES(until_ms), until_ms)"
+                ),
+                format!("SELECT owner, fence, until_ms, until_ms - {now} FROM {t} WHERE name = ?"),
+            ),
+            _ => (
+                format!(
+                    "INSERT INTO {t} (name, owner, fence, until_ms) \
+                     VALUES ({p1}, {p2}, 1, {now} + {p3}) \
+                     ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, \
+                       fence = {t}.fence + 1, until_ms = EXCLUDED.until_ms \
+                     WHERE {t}.until_ms <= {now} \
+                     RETURNING fence, until_ms"
+                ),
+                format!("SELECT until_ms - {now} FROM {t} WHERE name = {p1}"),
+            ),
+        };
+        let live = format!("name = {p2} AND owner = {p3} AND until_ms > {now}");
+        Self {
+            create,
+            acquire,
+            read,
+            extend: match d {
+                // MySQL reports rows *changed*, and a renewal within the
+                // same millisecond changes nothing: the row is read back in
+                // the same transaction instead.
+                #[cfg(feature = "mysql")]
+                Dialect::MySql => format!("UPDATE {t} SET until_ms = {now} + {p1} WHERE {live}"),
+                _ => format!(
+                    "UPDATE {t} SET until_ms = {now} + {p1} WHERE {live} RETURNING until_ms"
+                ),
+            },
+            extend_read: format!(
+                "SELECT until_ms FROM {t} WHERE name = {p1} AND owner = {p2} AND until_ms > {now}"
+            ),
+            // `owner` changes from the token to NULL, so a match is always
+            // a changed row (also on MySQL).
+            release: format!(
+                "UPDATE {t} SET owner = NULL, until_ms = 0 \
+                 WHERE name = {p1} AND owner = {p2} AND until_ms > {now}"
+            ),
+        }
+    }
 }
 
 /// A lock backend on a lease table, for SQLite, PostgreSQL and
@@ -159,13 +273,16 @@ enum Db {
 pub struct LeaseLockBackend {
     db: Db,
     table: String,
+    sql: LeaseSql,
 }
 
 impl LeaseLockBackend {
     fn with_db(db: Db) -> Self {
+        let sql = LeaseSql::new(db.dialect(), DEFAULT_LOCK_TABLE);
         Self {
             db,
             table: DEFAULT_LOCK_TABLE.to_owned(),
+            sql,
         }
     }
 
@@ -195,6 +312,7 @@ impl LeaseLockBackend {
     pub fn with_table(mut self, name: &str) -> Result<Self, LockError> {
         validate_table(name)?;
         self.table = name.to_owned();
+        self.sql = LeaseSql::new(self.db.dialect(), name);
         Ok(self)
     }
 
@@ -209,188 +327,68 @@ impl LeaseLockBackend {
     /// # Errors
     /// [`LockError::Unavailable`] (op `Connect`) when the database refuses.
     pub async fn migrate(&self) -> Result<(), LockError> {
-        const OP: LockOp = LockOp::Connect;
-        let t = &self.table;
-        match &self.db {
-            Db::Sqlite(pool) => {
-                sqlx::query(&format!(
-                    "CREATE TABLE IF NOT EXISTS \"{t}\" (name TEXT NOT NULL PRIMARY KEY, \
-                     owner TEXT NULL, fence INTEGER NOT NULL, until_ms INTEGER NOT NULL)"
-                ))
-                .execute(pool)
-                .await
-                .map_err(db_err(OP))?;
-            }
-            #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => {
-                let r = sqlx::query(&format!(
-                    "CREATE TABLE IF NOT EXISTS \"{t}\" (name TEXT NOT NULL PRIMARY KEY, \
-                     owner TEXT NULL, fence BIGINT NOT NULL, until_ms BIGINT NOT NULL)"
-                ))
-                .execute(pool)
-                .await;
-                pg_ignore_created_concurrently(r).map_err(db_err(OP))?;
-            }
+        let sql = &self.sql.create;
+        let r = match &self.db {
             #[cfg(feature = "mysql")]
-            Db::MySql(pool) => {
-                sqlx::query(&format!(
-                    "CREATE TABLE IF NOT EXISTS `{t}` (name VARBINARY(255) NOT NULL PRIMARY KEY, \
-                     owner VARBINARY(64) NULL, fence BIGINT NOT NULL, until_ms BIGINT NOT NULL) \
-                     ENGINE=InnoDB"
-                ))
-                .execute(pool)
-                .await
-                .map_err(db_err(OP))?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// `CREATE TABLE IF NOT EXISTS` racing with itself on PostgreSQL can fail
-/// with unique_violation (23505) on the catalog or duplicate_table (42P07):
-/// the table exists then.
-#[cfg(feature = "postgres")]
-fn pg_ignore_created_concurrently(
-    r: Result<sqlx::postgres::PgQueryResult, sqlx::Error>,
-) -> Result<(), sqlx::Error> {
-    match r {
-        Ok(_) => Ok(()),
-        Err(sqlx::Error::Database(db))
-            if matches!(db.code().as_deref(), Some("23505") | Some("42P07")) =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(e),
+            Db::MySql(pool) => sqlx::query(sql).execute(pool).await.map(drop),
+            db => on_returning_pool!(db, pool => sqlx::query(sql).execute(pool).await.map(drop)),
+        };
+        ignore_created_concurrently(r).map_err(db_err(LockOp::Connect))
     }
 }
 
 #[async_trait]
 impl LockBackend for LeaseLockBackend {
     async fn try_acquire(&self, name: &str, ttl: Duration) -> Result<TryAcquire, LockError> {
+        const OP: LockOp = LockOp::Acquire;
         let owner = new_owner_token();
-        let ttl = ttl_ms(ttl);
-        let t = &self.table;
-        let granted: Option<(i64, i64)>;
-        let left: Option<i64>;
-        match &self.db {
-            Db::Sqlite(pool) => {
-                let row = sqlx::query(&format!(
-                    "INSERT INTO \"{t}\" (name, owner, fence, until_ms) \
-                     VALUES (?1, ?2, 1, {SQLITE_NOW_MS} + ?3) \
-                     ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, \
-                       fence = \"{t}\".fence + 1, until_ms = excluded.until_ms \
-                     WHERE \"{t}\".until_ms <= {SQLITE_NOW_MS} \
-                     RETURNING fence, until_ms"
-                ))
+        let ttl = span_ms(ttl);
+        #[cfg(feature = "mysql")]
+        if let Db::MySql(pool) = &self.db {
+            let (row_owner, fence, until, left): (Option<Vec<u8>>, i64, i64, i64) =
+                mysql_retrying(OP, || async {
+                    let mut tx = pool.begin().await?;
+                    sqlx::query(&self.sql.acquire)
+                        .bind(name.as_bytes())
+                        .bind(owner.as_bytes())
+                        .bind(ttl)
+                        .execute(&mut *tx)
+                        .await?;
+                    let r = sqlx::query_as(&self.sql.read)
+                        .bind(name.as_bytes())
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok(r)
+                })
+                .await?;
+            let granted =
+                (row_owner.as_deref() == Some(owner.as_bytes())).then_some((fence, until));
+            return grant_or_busy(name, owner, granted, Some(left));
+        }
+        let (granted, left) = on_returning_pool!(&self.db, pool => {
+            let row = sqlx::query(&self.sql.acquire)
                 .bind(name)
                 .bind(&owner)
                 .bind(ttl)
                 .fetch_optional(pool)
                 .await
-                .map_err(db_err(LockOp::Acquire))?;
-                granted = row
-                    .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
-                    .transpose()
-                    .map_err(db_err(LockOp::Acquire))?;
-                left = if granted.is_none() {
-                    sqlx::query_scalar(&format!(
-                        "SELECT until_ms - {SQLITE_NOW_MS} FROM \"{t}\" WHERE name = ?1"
-                    ))
+                .map_err(db_err(OP))?;
+            let granted: Option<(i64, i64)> = row
+                .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+                .transpose()
+                .map_err(db_err(OP))?;
+            let left: Option<i64> = match granted {
+                Some(_) => None,
+                None => sqlx::query_scalar(&self.sql.read)
                     .bind(name)
                     .fetch_optional(pool)
                     .await
-                    .map_err(db_err(LockOp::Acquire))?
-                } else {
-                    None
-                };
-            }
-            #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => {
-                let row = sqlx::query(&format!(
-                    "INSERT INTO \"{t}\" (name, owner, fence, until_ms) \
-                     VALUES ($1, $2, 1, {PG_NOW_MS} + $3) \
-                     ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, \
-                       fence = \"{t}\".fence + 1, until_ms = EXCLUDED.until_ms \
-                     WHERE \"{t}\".until_ms <= {PG_NOW_MS} \
-                     RETURNING fence, until_ms"
-                ))
-                .bind(name)
-                .bind(&owner)
-                .bind(ttl)
-                .fetch_optional(pool)
-                .await
-                .map_err(db_err(LockOp::Acquire))?;
-                granted = row
-                    .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
-                    .transpose()
-                    .map_err(db_err(LockOp::Acquire))?;
-                left = if granted.is_none() {
-                    sqlx::query_scalar(&format!(
-                        "SELECT until_ms - {PG_NOW_MS} FROM \"{t}\" WHERE name = $1"
-                    ))
-                    .bind(name)
-                    .fetch_optional(pool)
-                    .await
-                    .map_err(db_err(LockOp::Acquire))?
-                } else {
-                    None
-                };
-            }
-            #[cfg(feature = "mysql")]
-            Db::MySql(pool) => {
-                // Assignments in ON DUPLICATE KEY UPDATE run left to right
-                // and see earlier ones, so `until_ms` (the condition) is
-                // assigned last. The read-back in the same transaction sees
-                // the row as this statement left it (its row lock is held).
-                let upsert = format!(
-                    "INSERT INTO `{t}` (name, owner, fence, until_ms) \
-                     VALUES (?, ?, 1, {MY_NOW_MS} + ?) \
-                     ON DUPLICATE KEY UPDATE \
-                       owner = IF(until_ms <= {MY_NOW_MS}, VALUES(owner), owner), \
-                       fence = IF(until_ms <= {MY_NOW_MS}, fence + 1, fence), \
-                       until_ms = IF(until_ms <= {MY_NOW_MS}, VALUES(until_ms), until_ms)"
-                );
-                let read = format!(
-                    "SELECT owner, fence, until_ms, until_ms - {MY_NOW_MS} FROM `{t}` WHERE name = ?"
-                );
-                let (row_owner, fence, until, left_ms): (Option<Vec<u8>>, i64, i64, i64) =
-                    mysql_retrying(LockOp::Acquire, || async {
-                        let mut tx = pool.begin().await?;
-                        sqlx::query(&upsert)
-                            .bind(name.as_bytes())
-                            .bind(owner.as_bytes())
-                            .bind(ttl)
-                            .execute(&mut *tx)
-                            .await?;
-                        let r = sqlx::query_as(&read)
-                            .bind(name.as_bytes())
-                            .fetch_one(&mut *tx)
-                            .await?;
-                        tx.commit().await?;
-                        Ok(r)
-                    })
-                    .await?;
-                if row_owner.as_deref() == Some(owner.as_bytes()) {
-                    granted = Some((fence, until));
-                    left = None;
-                } else {
-                    granted = None;
-                    left = Some(left_ms);
-                }
-            }
-        }
-        match granted {
-            Some((fence, until)) => Ok(TryAcquire::Acquired(LockLease {
-                name: name.to_owned(),
-                owner,
-                fence: fence_of(fence, LockOp::Acquire)?,
-                until: millis(until),
-            })),
-            None => Ok(TryAcquire::Busy {
-                retry_after: retry_after(left),
-            }),
-        }
+                    .map_err(db_err(OP))?,
+            };
+            (granted, left)
+        });
+        grant_or_busy(name, owner, granted, left)
     }
 
     async fn extend(
@@ -399,51 +397,19 @@ impl LockBackend for LeaseLockBackend {
         ttl: Duration,
     ) -> Result<Option<LockLease>, LockError> {
         const OP: LockOp = LockOp::Extend;
-        let ttl = ttl_ms(ttl);
-        let t = &self.table;
+        let ttl = span_ms(ttl);
         let until: Option<i64> = match &self.db {
-            Db::Sqlite(pool) => sqlx::query_scalar(&format!(
-                "UPDATE \"{t}\" SET until_ms = {SQLITE_NOW_MS} + ?1 \
-                 WHERE name = ?2 AND owner = ?3 AND until_ms > {SQLITE_NOW_MS} RETURNING until_ms"
-            ))
-            .bind(ttl)
-            .bind(&lease.name)
-            .bind(&lease.owner)
-            .fetch_optional(pool)
-            .await
-            .map_err(db_err(OP))?,
-            #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => sqlx::query_scalar(&format!(
-                "UPDATE \"{t}\" SET until_ms = {PG_NOW_MS} + $1 \
-                 WHERE name = $2 AND owner = $3 AND until_ms > {PG_NOW_MS} RETURNING until_ms"
-            ))
-            .bind(ttl)
-            .bind(&lease.name)
-            .bind(&lease.owner)
-            .fetch_optional(pool)
-            .await
-            .map_err(db_err(OP))?,
             #[cfg(feature = "mysql")]
             Db::MySql(pool) => {
-                // MySQL reports rows *changed*, and a renewal within the
-                // same millisecond changes nothing: read the row back in the
-                // same transaction instead.
-                let update = format!(
-                    "UPDATE `{t}` SET until_ms = {MY_NOW_MS} + ? \
-                     WHERE name = ? AND owner = ? AND until_ms > {MY_NOW_MS}"
-                );
-                let read = format!(
-                    "SELECT until_ms FROM `{t}` WHERE name = ? AND owner = ? AND until_ms > {MY_NOW_MS}"
-                );
                 mysql_retrying(OP, || async {
                     let mut tx = pool.begin().await?;
-                    sqlx::query(&update)
+                    sqlx::query(&self.sql.extend)
                         .bind(ttl)
                         .bind(lease.name.as_bytes())
                         .bind(lease.owner.as_bytes())
                         .execute(&mut *tx)
                         .await?;
-                    let r: Option<i64> = sqlx::query_scalar(&read)
+                    let r: Option<i64> = sqlx::query_scalar(&self.sql.extend_read)
                         .bind(lease.name.as_bytes())
                         .bind(lease.owner.as_bytes())
                         .fetch_optional(&mut *tx)
@@ -453,6 +419,13 @@ impl LockBackend for LeaseLockBackend {
                 })
                 .await?
             }
+            db => on_returning_pool!(db, pool => sqlx::query_scalar(&self.sql.extend)
+                .bind(ttl)
+                .bind(&lease.name)
+                .bind(&lease.owner)
+                .fetch_optional(pool)
+                .await
+                .map_err(db_err(OP))?),
         };
         Ok(until.map(|u| LockLease {
             until: millis(u),
@@ -462,39 +435,11 @@ impl LockBackend for LeaseLockBackend {
 
     async fn release(&self, lease: &LockLease) -> Result<bool, LockError> {
         const OP: LockOp = LockOp::Release;
-        let t = &self.table;
         let affected = match &self.db {
-            Db::Sqlite(pool) => sqlx::query(&format!(
-                "UPDATE \"{t}\" SET owner = NULL, until_ms = 0 \
-                 WHERE name = ?1 AND owner = ?2 AND until_ms > {SQLITE_NOW_MS}"
-            ))
-            .bind(&lease.name)
-            .bind(&lease.owner)
-            .execute(pool)
-            .await
-            .map_err(db_err(OP))?
-            .rows_affected(),
-            #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => sqlx::query(&format!(
-                "UPDATE \"{t}\" SET owner = NULL, until_ms = 0 \
-                 WHERE name = $1 AND owner = $2 AND until_ms > {PG_NOW_MS}"
-            ))
-            .bind(&lease.name)
-            .bind(&lease.owner)
-            .execute(pool)
-            .await
-            .map_err(db_err(OP))?
-            .rows_affected(),
             #[cfg(feature = "mysql")]
             Db::MySql(pool) => {
-                // `owner` changes from the token to NULL, so a match is
-                // always a changed row.
-                let sql = format!(
-                    "UPDATE `{t}` SET owner = NULL, until_ms = 0 \
-                     WHERE name = ? AND owner = ? AND until_ms > {MY_NOW_MS}"
-                );
                 mysql_retrying(OP, || async {
-                    Ok(sqlx::query(&sql)
+                    Ok(sqlx::query(&self.sql.release)
                         .bind(lease.name.as_bytes())
                         .bind(lease.owner.as_bytes())
                         .execute(pool)
@@ -503,36 +448,55 @@ impl LockBackend for LeaseLockBackend {
                 })
                 .await?
             }
+            db => on_returning_pool!(db, pool => sqlx::query(&self.sql.release)
+                .bind(&lease.name)
+                .bind(&lease.owner)
+                .execute(pool)
+                .await
+                .map_err(db_err(OP))?
+                .rows_affected()),
         };
         Ok(affected == 1)
     }
 }
 
+/// The answer of `try_acquire`: the grant (fence, lease end), or busy with
+/// the time left on the holder's lease.
+fn grant_or_busy(
+    name: &str,
+    owner: String,
+    granted: Option<(i64, i64)>,
+    left: Option<i64>,
+) -> Result<TryAcquire, LockError> {
+    match granted {
+        Some((fence, until)) => Ok(TryAcquire::Acquired(LockLease {
+            name: name.to_owned(),
+            owner,
+            fence: fence_of(fence, LockOp::Acquire)?,
+            until: millis(until),
+        })),
+        None => Ok(TryAcquire::Busy {
+            retry_after: retry_after(left),
+        }),
+    }
+}
+
 /// Runs a MySQL step, again after a deadlock (1213) or a lock wait timeout
-/// (1205) — both roll the transaction back — up to [`MY_ATTEMPTS`] times.
+/// (1205) — both roll the statement back — up to [`MY_ATTEMPTS`] times.
 #[cfg(feature = "mysql")]
-async fn mysql_retrying<T, F, Fut>(op: LockOp, mut step: F) -> Result<T, LockError>
+async fn mysql_retrying<T, F, Fut>(op: LockOp, step: F) -> Result<T, LockError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
 {
-    let mut attempt = 1u32;
-    loop {
-        match step().await {
-            Ok(v) => return Ok(v),
-            Err(sqlx::Error::Database(db))
-                if attempt < MY_ATTEMPTS
-                    && db
-                        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-                        .is_some_and(|m| matches!(m.number(), 1213 | 1205)) =>
-            {
-                tracing::debug!(%op, attempt, "lock step rolled back by InnoDB; retrying");
-                tokio::time::sleep(crate::common::backoff(attempt)).await;
-                attempt += 1;
-            }
-            Err(e) => return Err(db_err(op)(e)),
-        }
-    }
+    crate::common::retry(MY_ATTEMPTS, crate::common::BACKOFF_BASE, step, |e| {
+        matches!(
+            error_kind(e),
+            Some(ErrorKind::Deadlock | ErrorKind::LockWaitTimeout)
+        )
+    })
+    .await
+    .map_err(db_err(op))
 }
 
 #[cfg(feature = "postgres")]
@@ -551,9 +515,13 @@ mod advisory {
     use tokio::sync::{oneshot, Mutex};
 
     use super::{
-        db_err, fence_of, millis, pg_ignore_created_concurrently, ttl_ms, validate_table,
-        DEFAULT_FENCE_TABLE, PG_NOW_MS,
+        db_err, fence_of, ignore_created_concurrently, millis, span_ms, validate_table,
+        DEFAULT_FENCE_TABLE,
     };
+    use crate::dialect::{error_kind, Dialect, ErrorKind};
+
+    /// PostgreSQL's clock in ms when evaluated.
+    const PG_NOW_MS: &str = Dialect::Postgres.now_ms();
 
     /// One granted advisory lock: the session that holds it.
     #[derive(Debug)]
@@ -640,19 +608,14 @@ mod advisory {
             ))
             .execute(&self.pool)
             .await;
-            pg_ignore_created_concurrently(r).map_err(db_err(LockOp::Connect))
+            ignore_created_concurrently(r).map_err(db_err(LockOp::Connect))
         }
 
         /// The advisory lock key of `name` (64-bit FNV-1a of the fence table's
         /// name, a zero byte and `name`), as `pg_locks` shows it split into
         /// `classid` (high 32 bits) and `objid` (low 32 bits).
         pub fn advisory_key(&self, name: &str) -> i64 {
-            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-            for b in self.table.bytes().chain([0u8]).chain(name.bytes()) {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-            i64::from_ne_bytes(h.to_ne_bytes())
+            crate::common::fnv1a(&[&self.table, name]) as i64
         }
 
         /// The backend process id of the session holding `lease`, while this
@@ -744,7 +707,7 @@ mod advisory {
                 name: name.to_owned(),
                 owner: new_owner_token(),
                 fence,
-                until: millis(now.saturating_add(ttl_ms(ttl))),
+                until: millis(now.saturating_add(span_ms(ttl))),
             };
             let held = Arc::new(Held {
                 name: lease.name.clone(),
@@ -763,7 +726,11 @@ mod advisory {
     fn session_gone(e: &sqlx::Error) -> bool {
         match e {
             sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => true,
-            sqlx::Error::Database(db) => db.code().is_some_and(|c| c.starts_with("57")),
+            // SQLSTATE class 57.
+            sqlx::Error::Database(_) => matches!(
+                error_kind(e),
+                Some(ErrorKind::StatementTimeout | ErrorKind::OperatorIntervention)
+            ),
             _ => false,
         }
     }
@@ -827,7 +794,7 @@ mod advisory {
                 .await;
                 match r {
                     Ok((true, now)) => Ok(Some(LockLease {
-                        until: millis(now.saturating_add(ttl_ms(ttl))),
+                        until: millis(now.saturating_add(span_ms(ttl))),
                         ..lease
                     })),
                     Ok((false, _)) | Err(_) => {

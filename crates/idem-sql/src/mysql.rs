@@ -7,56 +7,30 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, Millis, Phase, Record, Scope, Store, StoreError,
+    Begin, BeginRequest, IdempotencyKey, Lease, Phase, Record, Scope, Store, StoreError,
     StoredResponse,
 };
 use rand::Rng;
-use sqlx::mysql::{
-    MySqlConnectOptions, MySqlConnection, MySqlDatabaseError, MySqlPool, MySqlPoolOptions, MySqlRow,
-};
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{Connection, Executor, Row};
 
 use crate::common::{
-    self, corrupt, ms_i64, validate_ident, with_retries, Failure, RawRecord, IN_PROGRESS,
-    MAX_TABLE_LEN,
+    self, bind_key, bind_lease, classify, lease_kept, millis, ms_i64, now_of, to_i64,
+    validate_ident, with_retries, Failure, RawRecord, IN_PROGRESS, MAX_TABLE_LEN, PURGE_BATCH,
+    SETTLE_ROUNDS,
 };
+use crate::dialect::Dialect;
 
 /// The schema template (`migrations/mysql/idem_records.sql`).
 const SCHEMA_SQL: &str = include_str!("../migrations/mysql/idem_records.sql");
 
-/// Records removed per statement by `purge_expired`.
-const PURGE_BATCH: i64 = 1_000;
+/// This dialect.
+const MY: Dialect = Dialect::MySql;
 
-/// A pooled connection idle for longer than this is pinged before use.
-const PING_IDLE_AFTER: Duration = Duration::from_secs(10);
-
-/// How often `begin` starts over when a record changed between its first
-/// read and its claim (each round is one read, or one claim transaction).
-const SETTLE_ROUNDS: u32 = 10;
-
-/// The server's clock in milliseconds since the Unix epoch, independent of
-/// the session's `time_zone` (`UTC_TIMESTAMP` and plain datetime
-/// arithmetic; `UNIX_TIMESTAMP(NOW())` would shift during a DST change).
-/// Constant within one statement (its start), as MySQL documents for
-/// `UTC_TIMESTAMP`.
-const NOW_MS: &str =
-    "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED)";
-
-/// MySQL / MariaDB error numbers this store tells apart (never by message).
-mod errno {
-    /// ER_DUP_ENTRY.
-    pub(super) const DUP_ENTRY: u16 = 1062;
-    /// ER_LOCK_WAIT_TIMEOUT (`innodb_lock_wait_timeout`).
-    pub(super) const LOCK_WAIT_TIMEOUT: u16 = 1205;
-    /// ER_LOCK_DEADLOCK: the transaction was rolled back.
-    pub(super) const LOCK_DEADLOCK: u16 = 1213;
-    /// ER_QUERY_INTERRUPTED (`KILL QUERY`).
-    pub(super) const QUERY_INTERRUPTED: u16 = 1317;
-    /// MariaDB ER_STATEMENT_TIMEOUT (`max_statement_time`).
-    pub(super) const STATEMENT_TIMEOUT: u16 = 1969;
-    /// MySQL ER_QUERY_TIMEOUT (`max_execution_time`).
-    pub(super) const QUERY_TIMEOUT: u16 = 3024;
-}
+/// The server's clock in ms ([`Dialect::now_ms`]): independent of the
+/// session's `time_zone`, constant within one statement (its start), as
+/// MySQL documents for `UTC_TIMESTAMP`.
+const NOW_MS: &str = MY.now_ms();
 
 /// Settings of a [`MySqlStore`] opened with [`MySqlStore::connect_with`].
 ///
@@ -120,51 +94,19 @@ impl MySqlOptions {
         }
     }
 
-    /// Sets [`Self::table`] (validated when the store connects).
-    pub fn with_table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// Sets [`Self::max_connections`] (0 is taken as 1).
-    pub fn with_max_connections(mut self, n: u32) -> Self {
-        self.max_connections = n.max(1);
-        self
-    }
-
-    /// Sets [`Self::acquire_timeout`].
-    pub fn with_acquire_timeout(mut self, d: Duration) -> Self {
-        self.acquire_timeout = d;
-        self
-    }
-
-    /// Sets [`Self::connect_timeout`].
-    pub fn with_connect_timeout(mut self, d: Duration) -> Self {
-        self.connect_timeout = d;
-        self
-    }
+    crate::common::option_setters!(
+        table,
+        max_connections,
+        acquire_timeout,
+        connect_timeout,
+        statement_timeout,
+        migrate,
+        poll_interval,
+    );
 
     /// Sets [`Self::lock_wait_timeout`] (rounded up to whole seconds, at least 1).
     pub fn with_lock_wait_timeout(mut self, d: Duration) -> Self {
         self.lock_wait_timeout = d;
-        self
-    }
-
-    /// Sets [`Self::statement_timeout`].
-    pub fn with_statement_timeout(mut self, d: Option<Duration>) -> Self {
-        self.statement_timeout = d;
-        self
-    }
-
-    /// Sets [`Self::migrate`].
-    pub fn with_migrate(mut self, migrate: bool) -> Self {
-        self.migrate = migrate;
-        self
-    }
-
-    /// Sets [`Self::poll_interval`] (at least 1 ms).
-    pub fn with_poll_interval(mut self, d: Duration) -> Self {
-        self.poll_interval = d.max(Duration::from_millis(1));
         self
     }
 
@@ -339,8 +281,7 @@ impl Statements {
 }
 
 fn quote(ident: &str) -> String {
-    // Only called with names that passed `validate_ident`: no backticks inside.
-    format!("`{ident}`")
+    MY.quote(ident)
 }
 
 /// Which server the store talks to: the statement time limit differs.
@@ -403,39 +344,23 @@ impl MySqlStore {
     /// shape.
     pub async fn connect_with(options: MySqlOptions) -> Result<Self, StoreError> {
         validate_ident("table", &options.table, MAX_TABLE_LEN)?;
-        let scheme = options
-            .url
-            .split_once("://")
-            .map(|(s, _)| s.to_ascii_lowercase());
-        if !matches!(scheme.as_deref(), Some("mysql" | "mariadb")) {
-            return Err(StoreError::Config(
-                "a MySQL URL starts with mysql:// (or mariadb://)".into(),
-            ));
-        }
+        common::check_scheme(
+            &options.url,
+            &["mysql", "mariadb"],
+            "a MySQL URL starts with mysql:// (or mariadb://)",
+        )?;
         let url = match options.url.strip_prefix("mariadb://") {
             Some(rest) => format!("mysql://{rest}"),
             None => options.url.clone(),
         };
         let connect = MySqlConnectOptions::from_str(&url)
             .map_err(|e| StoreError::Config(format!("bad MySQL URL: {e}")))?;
-        let mut conn = match tokio::time::timeout(
+        let mut conn = common::connect_first(
             options.connect_timeout,
+            "MySQL",
             MySqlConnection::connect_with(&connect),
         )
-        .await
-        {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => return Err(StoreError::unavailable(Phase::Connect, e)),
-            Err(_) => {
-                return Err(StoreError::unavailable(
-                    Phase::Connect,
-                    format!(
-                        "no connection to MySQL within {:?}",
-                        options.connect_timeout
-                    ),
-                ))
-            }
-        };
+        .await?;
         let prepared = async {
             let flavor = flavor(&mut conn).await?;
             let session = session_sql(flavor, &options);
@@ -448,21 +373,10 @@ impl MySqlStore {
         .await;
         let _ = conn.close().await;
         let session = Arc::new(prepared?);
-        let pool = MySqlPoolOptions::new()
-            .max_connections(options.max_connections.max(1))
-            .acquire_timeout(options.acquire_timeout)
-            .test_before_acquire(false)
+        let pool = common::pool_options(options.max_connections, options.acquire_timeout)
             .after_connect(move |conn, _meta| {
                 let session = session.clone();
                 Box::pin(async move { apply_session(conn, &session).await })
-            })
-            .before_acquire(|conn, meta| {
-                Box::pin(async move {
-                    if meta.idle_for > PING_IDLE_AFTER {
-                        conn.ping().await?;
-                    }
-                    Ok(true)
-                })
             })
             .connect_lazy_with(connect);
         Ok(Self::build(pool, &options))
@@ -494,12 +408,7 @@ impl MySqlStore {
         options: MySqlOptions,
     ) -> Result<Self, StoreError> {
         validate_ident("table", &options.table, MAX_TABLE_LEN)?;
-        let mut conn = pool
-            .acquire()
-            .await
-            .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
-        prepare_schema(&mut conn, &options).await?;
-        drop(conn);
+        prepare_schema(&mut *common::setup_connection(&pool).await?, &options).await?;
         Ok(Self::build(pool, &options))
     }
 
@@ -552,12 +461,7 @@ impl MySqlStore {
     where
         Fut: std::future::Future<Output = Result<T, Failure>>,
     {
-        match self.inner.call_limit {
-            Some(limit) => tokio::time::timeout(limit, fut)
-                .await
-                .unwrap_or(Err(Failure::Fail(StoreError::Timeout { phase }))),
-            None => fut.await,
-        }
+        common::limited(self.inner.call_limit, phase, fut).await
     }
 
     async fn read(
@@ -679,7 +583,7 @@ impl MySqlStore {
                 scope: req.scope.clone(),
                 key: req.key.clone(),
                 fence,
-                until: Millis(u64::try_from(until).unwrap_or(0)),
+                until: millis(until),
             })),
             // Read under the lock the claim's upsert held, so this is the
             // version that stopped the takeover: live when it was checked,
@@ -768,23 +672,7 @@ async fn check_shape(
     .fetch_all(&mut *conn)
     .await
     .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
-    if found.is_empty() {
-        return Ok(false);
-    }
-    let wrong: Vec<String> = COLUMNS
-        .iter()
-        .filter(|(name, ty)| !found.iter().any(|(n, t)| n == name && t == ty))
-        .map(|(name, ty)| format!("{name} {ty}"))
-        .collect();
-    if wrong.is_empty() {
-        Ok(true)
-    } else {
-        Err(StoreError::Config(format!(
-            "table {} exists but is not an idem table: it lacks {}",
-            options.table,
-            wrong.join(", ")
-        )))
-    }
+    common::check_columns(&found, &COLUMNS, &options.table)
 }
 
 /// Checks an existing table's shape, creates the tables when asked
@@ -854,54 +742,8 @@ fn statements(template: &str) -> Vec<String> {
         .collect()
 }
 
-/// Maps a sqlx error by MySQL error number (never by message text).
-fn classify(phase: Phase, e: sqlx::Error) -> Failure {
-    if let sqlx::Error::Database(db) = &e {
-        if let Some(my) = db.try_downcast_ref::<MySqlDatabaseError>() {
-            match my.number() {
-                // The transaction was rolled back: try again.
-                errno::LOCK_DEADLOCK => return Failure::Retry(e),
-                // `begin`'s upsert never raises it for the key; should an
-                // operator's extra unique index do so, the attempt changed
-                // nothing and may be repeated.
-                errno::DUP_ENTRY if phase == Phase::Begin => return Failure::Retry(e),
-                errno::LOCK_WAIT_TIMEOUT
-                | errno::STATEMENT_TIMEOUT
-                | errno::QUERY_TIMEOUT
-                | errno::QUERY_INTERRUPTED => return Failure::Fail(StoreError::Timeout { phase }),
-                _ => {}
-            }
-        }
-    }
-    Failure::Fail(match e {
-        sqlx::Error::ColumnDecode { .. }
-        | sqlx::Error::Decode(_)
-        | sqlx::Error::ColumnNotFound(_)
-        | sqlx::Error::ColumnIndexOutOfBounds { .. } => {
-            corrupt(phase, format!("undecodable row: {e}"))
-        }
-        e => StoreError::unavailable(phase, e),
-    })
-}
-
 fn raw_record(row: &MySqlRow, phase: Phase) -> Result<RawRecord, StoreError> {
-    let col = |e: sqlx::Error| corrupt(phase, format!("undecodable column: {e}"));
-    Ok(RawRecord {
-        fingerprint: row.try_get("fingerprint").map_err(col)?,
-        state: i64::from(row.try_get::<i8, _>("state").map_err(col)?),
-        fence: row.try_get("fence").map_err(col)?,
-        deadline: row.try_get("deadline").map_err(col)?,
-        response: row.try_get("response").map_err(col)?,
-    })
-}
-
-fn now_of(row: &MySqlRow, phase: Phase) -> Result<i64, StoreError> {
-    row.try_get("now_ms")
-        .map_err(|e| corrupt(phase, format!("undecodable clock: {e}")))
-}
-
-fn to_i64(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
+    RawRecord::from_row::<_, i8>(row, phase)
 }
 
 #[async_trait]
@@ -934,38 +776,23 @@ impl Store for MySqlStore {
         let sql = &self.inner.sql.complete;
         let done = self
             .execute(Phase::Complete, || {
-                sqlx::query(sql)
+                let q = sqlx::query(sql)
                     .bind(common::span_ms(ttl))
-                    .bind(blob.as_slice())
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence))
+                    .bind(blob.as_slice());
+                bind_lease(q, lease)
             })
             .await?;
         // The row always changes (state 0 → 1), so "changed" and "matched"
         // counts agree.
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
         let sql = &self.inner.sql.release;
         let done = self
-            .execute(Phase::Release, || {
-                sqlx::query(sql)
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence))
-            })
+            .execute(Phase::Release, || bind_lease(sqlx::query(sql), lease))
             .await?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
@@ -973,11 +800,7 @@ impl Store for MySqlStore {
         let sql = &self.inner.sql.extend;
         let done = self
             .execute(P, || {
-                sqlx::query(sql)
-                    .bind(common::span_ms(lease_for))
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence))
+                bind_lease(sqlx::query(sql).bind(common::span_ms(lease_for)), lease)
             })
             .await?;
         // LAST_INSERT_ID(expr) runs only for a matched row and reports the
@@ -995,7 +818,7 @@ impl Store for MySqlStore {
             u => to_i64(u),
         };
         Ok(Lease {
-            until: Millis(u64::try_from(until).unwrap_or(0)),
+            until: millis(until),
             ..lease.clone()
         })
     }
@@ -1011,11 +834,7 @@ impl Store for MySqlStore {
     async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let sql = &self.inner.sql.delete;
         let done = self
-            .execute(Phase::Delete, || {
-                sqlx::query(sql)
-                    .bind(scope.as_str().as_bytes())
-                    .bind(key.as_str().as_bytes())
-            })
+            .execute(Phase::Delete, || bind_key(sqlx::query(sql), scope, key))
             .await?;
         Ok(done.rows_affected() > 0)
     }
@@ -1027,16 +846,13 @@ impl Store for MySqlStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         const P: Phase = Phase::Purge;
         let sql = &self.inner.sql;
-        let mut total = 0;
-        loop {
+        let total = common::in_batches(PURGE_BATCH, || async {
             let done = self
                 .execute(P, || sqlx::query(&sql.purge).bind(PURGE_BATCH))
                 .await?;
-            total += done.rows_affected();
-            if done.rows_affected() < PURGE_BATCH as u64 {
-                break;
-            }
-        }
+            Ok(done.rows_affected())
+        })
+        .await?;
         let newest: i64 = with_retries(P, || {
             self.attempt(
                 P,
@@ -1044,7 +860,7 @@ impl Store for MySqlStore {
             )
         })
         .await?;
-        loop {
+        common::in_batches(PURGE_BATCH * 10, || async {
             let done = self
                 .execute(P, || {
                     sqlx::query(&sql.fence_trim)
@@ -1052,10 +868,10 @@ impl Store for MySqlStore {
                         .bind(PURGE_BATCH * 10)
                 })
                 .await?;
-            if done.rows_affected() < (PURGE_BATCH * 10) as u64 {
-                return Ok(total);
-            }
-        }
+            Ok(done.rows_affected())
+        })
+        .await?;
+        Ok(total)
     }
 
     /// Polls the record every [`MySqlOptions::poll_interval`] (default
@@ -1069,28 +885,15 @@ impl Store for MySqlStore {
     ) -> Result<(), StoreError> {
         const P: Phase = Phase::Get;
         let started = tokio::time::Instant::now();
-        let claim = |r: Option<(RawRecord, i64)>| match r {
-            Some((raw, now)) if raw.state == IN_PROGRESS && raw.deadline > now => Some((
-                raw.fence,
-                Duration::from_millis(u64::try_from(raw.deadline - now).unwrap_or(0)),
-            )),
-            _ => None,
-        };
+        let claim = |r: Option<(RawRecord, i64)>| r.and_then(|(raw, now)| raw.live_claim(now));
         let Some((fence, left)) = claim(self.read(P, scope, key).await?) else {
             return Ok(());
         };
         let until = (started + left + Duration::from_millis(1)).min(started + max);
-        loop {
-            let now = tokio::time::Instant::now();
-            if now >= until {
-                return Ok(());
-            }
-            tokio::time::sleep((until - now).min(self.inner.poll_interval)).await;
-            match claim(self.read(P, scope, key).await?) {
-                Some((f, _)) if f == fence => {}
-                _ => return Ok(()),
-            }
-        }
+        common::poll_while_claimed(until, self.inner.poll_interval, fence, || async {
+            Ok(claim(self.read(P, scope, key).await?).map(|(f, _)| f))
+        })
+        .await
     }
 }
 

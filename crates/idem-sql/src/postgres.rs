@@ -7,49 +7,40 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, Millis, Phase, Record, Scope, Store, StoreError,
+    Begin, BeginRequest, IdempotencyKey, Lease, Phase, Record, Scope, Store, StoreError,
     StoredResponse,
 };
-use sqlx::postgres::{
-    PgConnectOptions, PgConnection, PgDatabaseError, PgListener, PgPool, PgPoolOptions, PgRow,
-};
-use sqlx::{Connection, Row};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::Connection;
 use tokio::sync::broadcast;
 
 use crate::common::{
-    self, corrupt, ms_i64, record_hash, validate_ident, with_retries, Failure, RawRecord,
-    IN_PROGRESS, MAX_SCHEMA_LEN, MAX_TABLE_LEN,
+    self, bind_key, bind_lease, classify, column, lease_kept, millis, ms_i64, now_of, record_hash,
+    validate_ident, with_retries, Failure, RawRecord, MAX_SCHEMA_LEN, MAX_TABLE_LEN, PURGE_BATCH,
+    SETTLE_ROUNDS,
 };
+use crate::dialect::Dialect;
 
 /// The schema template (`migrations/postgres/idem_records.sql`).
 const SCHEMA_SQL: &str = include_str!("../migrations/postgres/idem_records.sql");
-
-/// Records removed per statement by `purge_expired`.
-const PURGE_BATCH: i64 = 1_000;
-
-/// How often `begin` re-reads a record that changed under it (deleted or
-/// taken over between the statement's snapshot and its insert attempt)
-/// before it gives up with `Unavailable`. Each round is one statement; in
-/// practice the second round settles.
-const SETTLE_ROUNDS: u32 = 10;
-
-/// A pooled connection idle for longer than this is pinged before use
-/// (a fresh one is not: that would double the round trips of every step).
-const PING_IDLE_AFTER: Duration = Duration::from_secs(10);
 
 /// After the `LISTEN` connection fails, waiters poll for this long before a
 /// new `LISTEN` is tried.
 const LISTEN_RETRY_AFTER: Duration = Duration::from_secs(5);
 
-/// The database's clock in milliseconds since the Unix epoch, read when the
-/// expression is evaluated (`clock_timestamp()`, not the transaction start),
-/// rounded down. `extract` returns `numeric` (exact) on PostgreSQL 14+ and
-/// `double precision` before; both keep the milliseconds.
-const NOW_MS: &str = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+/// This dialect.
+const PG: Dialect = Dialect::Postgres;
 
-/// The same at the statement's start (`now()`): stable within a statement,
-/// so an index on `deadline` can serve the comparison.
-const STMT_NOW_MS: &str = "floor(extract(epoch FROM now()) * 1000)::bigint";
+/// A statement with its bound values.
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// The database's clock in ms when the expression is evaluated
+/// ([`Dialect::now_ms`]).
+const NOW_MS: &str = PG.now_ms();
+
+/// The same at the statement's start: stable within a statement, so an
+/// index on `deadline` can serve the comparison.
+const STMT_NOW_MS: &str = Dialect::PG_STATEMENT_NOW_MS;
 
 /// Settings of a [`PostgresStore`] opened with [`PostgresStore::connect_with`].
 ///
@@ -132,51 +123,19 @@ impl PostgresOptions {
         self
     }
 
-    /// Sets [`Self::table`] (validated when the store connects).
-    pub fn with_table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// Sets [`Self::max_connections`] (0 is taken as 1).
-    pub fn with_max_connections(mut self, n: u32) -> Self {
-        self.max_connections = n.max(1);
-        self
-    }
-
-    /// Sets [`Self::acquire_timeout`].
-    pub fn with_acquire_timeout(mut self, d: Duration) -> Self {
-        self.acquire_timeout = d;
-        self
-    }
-
-    /// Sets [`Self::connect_timeout`].
-    pub fn with_connect_timeout(mut self, d: Duration) -> Self {
-        self.connect_timeout = d;
-        self
-    }
-
-    /// Sets [`Self::statement_timeout`] (`None`: the server's setting).
-    pub fn with_statement_timeout(mut self, d: Option<Duration>) -> Self {
-        self.statement_timeout = d;
-        self
-    }
-
-    /// Sets [`Self::migrate`].
-    pub fn with_migrate(mut self, migrate: bool) -> Self {
-        self.migrate = migrate;
-        self
-    }
+    crate::common::option_setters!(
+        table,
+        max_connections,
+        acquire_timeout,
+        connect_timeout,
+        statement_timeout,
+        migrate,
+        poll_interval,
+    );
 
     /// Sets [`Self::notify`].
     pub fn with_notify(mut self, notify: bool) -> Self {
         self.notify = notify;
-        self
-    }
-
-    /// Sets [`Self::poll_interval`] (at least 1 ms).
-    pub fn with_poll_interval(mut self, d: Duration) -> Self {
-        self.poll_interval = d.max(Duration::from_millis(1));
         self
     }
 }
@@ -407,8 +366,7 @@ impl Statements {
 }
 
 fn quote(ident: &str) -> String {
-    // Only called with names that passed `validate_ident`: no quotes inside.
-    format!("\"{ident}\"")
+    PG.quote(ident)
 }
 
 impl PostgresStore {
@@ -433,57 +391,27 @@ impl PostgresStore {
     /// [`PostgresOptions::table`]), or an existing table of another shape.
     pub async fn connect_with(options: PostgresOptions) -> Result<Self, StoreError> {
         validate_names(&options)?;
-        let scheme = options
-            .url
-            .split_once("://")
-            .map(|(s, _)| s.to_ascii_lowercase());
-        if !matches!(scheme.as_deref(), Some("postgres" | "postgresql")) {
-            return Err(StoreError::Config(
-                "a PostgreSQL URL starts with postgres:// or postgresql://".into(),
-            ));
-        }
+        common::check_scheme(
+            &options.url,
+            &["postgres", "postgresql"],
+            "a PostgreSQL URL starts with postgres:// or postgresql://",
+        )?;
         let mut connect = PgConnectOptions::from_str(&options.url)
             .map_err(|e| StoreError::Config(format!("bad PostgreSQL URL: {e}")))?
             .application_name("idem");
         if let Some(t) = options.statement_timeout {
             connect = connect.options([("statement_timeout", ms_i64(t).to_string())]);
         }
-        // One direct connection first: it fails fast (the pool would retry a
-        // refused connection until its acquire timeout and report only
-        // "timed out"), and it runs the migrations.
-        let mut conn = match tokio::time::timeout(
+        let mut conn = common::connect_first(
             options.connect_timeout,
+            "PostgreSQL",
             PgConnection::connect_with(&connect),
         )
-        .await
-        {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => return Err(StoreError::unavailable(Phase::Connect, e)),
-            Err(_) => {
-                return Err(StoreError::unavailable(
-                    Phase::Connect,
-                    format!(
-                        "no connection to PostgreSQL within {:?}",
-                        options.connect_timeout
-                    ),
-                ))
-            }
-        };
+        .await?;
         let prepared = prepare_schema(&mut conn, &options).await;
         let _ = conn.close().await;
         prepared?;
-        let pool = PgPoolOptions::new()
-            .max_connections(options.max_connections.max(1))
-            .acquire_timeout(options.acquire_timeout)
-            .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
-                Box::pin(async move {
-                    if meta.idle_for > PING_IDLE_AFTER {
-                        conn.ping().await?;
-                    }
-                    Ok(true)
-                })
-            })
+        let pool = common::pool_options(options.max_connections, options.acquire_timeout)
             .connect_lazy_with(connect);
         Ok(Self::build(pool, &options))
     }
@@ -511,12 +439,7 @@ impl PostgresStore {
         options: PostgresOptions,
     ) -> Result<Self, StoreError> {
         validate_names(&options)?;
-        let mut conn = pool
-            .acquire()
-            .await
-            .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
-        prepare_schema(&mut conn, &options).await?;
-        drop(conn);
+        prepare_schema(&mut *common::setup_connection(&pool).await?, &options).await?;
         Ok(Self::build(pool, &options))
     }
 
@@ -572,6 +495,16 @@ impl PostgresStore {
         format!("{:016x}", record_hash(scope.as_str(), key.as_str()))
     }
 
+    /// Binds the `NOTIFY` channel and `payload` when notifications are on
+    /// (the statement then notifies waiters; see [`Statements::new`]).
+    fn notifying<'q>(&'q self, q: PgQuery<'q>, payload: &'q str) -> PgQuery<'q> {
+        if self.inner.notify {
+            q.bind(self.inner.channel.as_str()).bind(payload)
+        } else {
+            q
+        }
+    }
+
     /// Runs one attempt of a statement under the client-side deadline.
     async fn attempt<T, F, Fut>(&self, phase: Phase, f: F) -> Result<T, Failure>
     where
@@ -579,19 +512,30 @@ impl PostgresStore {
         Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
     {
         let fut = f(self.inner.pool.clone());
-        match self.inner.call_limit {
-            Some(limit) => match tokio::time::timeout(limit, fut).await {
-                Ok(r) => r.map_err(|e| classify(phase, e)),
-                Err(_) => Err(Failure::Fail(StoreError::Timeout { phase })),
-            },
-            None => fut.await.map_err(|e| classify(phase, e)),
-        }
+        common::limited(self.inner.call_limit, phase, async {
+            fut.await.map_err(|e| classify(phase, e))
+        })
+        .await
+    }
+
+    /// The first row of `sql` run with a record's `scope` and `key`.
+    async fn fetch_keyed(
+        &self,
+        phase: Phase,
+        sql: &str,
+        scope: &Scope,
+        key: &IdempotencyKey,
+    ) -> Result<Option<PgRow>, StoreError> {
+        let rows = self
+            .fetch_all(phase, || bind_key(sqlx::query(sql), scope, key))
+            .await?;
+        Ok(rows.into_iter().next())
     }
 
     async fn fetch_all<'q>(
         &self,
         phase: Phase,
-        q: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        q: impl Fn() -> PgQuery<'q>,
     ) -> Result<Vec<PgRow>, StoreError> {
         with_retries(phase, || {
             let q = q();
@@ -632,24 +576,11 @@ async fn check_shape(
     .fetch_all(&mut *conn)
     .await
     .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
-    if found.is_empty() {
-        return Ok(false);
-    }
-    let wrong: Vec<String> = COLUMNS
-        .iter()
-        .filter(|(name, ty)| !found.iter().any(|(n, t)| n == name && t == ty))
-        .map(|(name, ty)| format!("{name} {ty}"))
-        .collect();
-    if wrong.is_empty() {
-        Ok(true)
-    } else {
-        Err(StoreError::Config(format!(
-            "table {}.{} exists but is not an idem table: it lacks {}",
-            options.schema,
-            options.table,
-            wrong.join(", ")
-        )))
-    }
+    common::check_columns(
+        &found,
+        &COLUMNS,
+        &format!("{}.{}", options.schema, options.table),
+    )
 }
 
 /// Checks an existing table's shape, creates the schema objects when asked
@@ -714,52 +645,8 @@ async fn prepare_schema(
     Ok(())
 }
 
-/// Maps a sqlx error by SQLSTATE (never by message text).
-fn classify(phase: Phase, e: sqlx::Error) -> Failure {
-    if let sqlx::Error::Database(db) = &e {
-        if let Some(pg) = db.try_downcast_ref::<PgDatabaseError>() {
-            match pg.code() {
-                // serialization_failure, deadlock_detected: rolled back, retry.
-                "40001" | "40P01" => return Failure::Retry(e),
-                // unique_violation: `begin`'s ON CONFLICT never raises it for
-                // the key; should an operator's extra unique index do so,
-                // the statement changed nothing and may be repeated.
-                "23505" if phase == Phase::Begin => return Failure::Retry(e),
-                // query_canceled (statement_timeout), lock_not_available.
-                "57014" | "55P03" => return Failure::Fail(StoreError::Timeout { phase }),
-                _ => {}
-            }
-        }
-    }
-    Failure::Fail(match e {
-        sqlx::Error::ColumnDecode { .. }
-        | sqlx::Error::Decode(_)
-        | sqlx::Error::ColumnNotFound(_)
-        | sqlx::Error::ColumnIndexOutOfBounds { .. } => {
-            corrupt(phase, format!("undecodable row: {e}"))
-        }
-        e => StoreError::unavailable(phase, e),
-    })
-}
-
 fn raw_record(row: &PgRow, phase: Phase) -> Result<RawRecord, StoreError> {
-    let col = |e: sqlx::Error| corrupt(phase, format!("undecodable column: {e}"));
-    Ok(RawRecord {
-        fingerprint: row.try_get("fingerprint").map_err(col)?,
-        state: i64::from(row.try_get::<i16, _>("state").map_err(col)?),
-        fence: row.try_get("fence").map_err(col)?,
-        deadline: row.try_get("deadline").map_err(col)?,
-        response: row.try_get("response").map_err(col)?,
-    })
-}
-
-fn now_of(row: &PgRow, phase: Phase) -> Result<i64, StoreError> {
-    row.try_get("now_ms")
-        .map_err(|e| corrupt(phase, format!("undecodable clock: {e}")))
-}
-
-fn to_i64(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
+    RawRecord::from_row::<_, i16>(row, phase)
 }
 
 #[async_trait]
@@ -783,9 +670,7 @@ impl Store for PostgresStore {
                 .await?;
             let mut current = None;
             for row in &rows {
-                let claimed: bool = row
-                    .try_get("claimed")
-                    .map_err(|e| corrupt(P, format!("undecodable column: {e}")))?;
+                let claimed: bool = column(row, "claimed", P)?;
                 let raw = raw_record(row, P)?;
                 if claimed {
                     return Ok(Begin::Acquired(Lease {
@@ -829,22 +714,11 @@ impl Store for PostgresStore {
             .fetch_all(P, || {
                 let q = sqlx::query(sql)
                     .bind(common::span_ms(ttl))
-                    .bind(blob.as_slice())
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence));
-                if self.inner.notify {
-                    q.bind(self.inner.channel.as_str()).bind(payload.as_str())
-                } else {
-                    q
-                }
+                    .bind(blob.as_slice());
+                self.notifying(bind_lease(q, lease), &payload)
             })
             .await?;
-        if rows.is_empty() {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        } else {
-            Ok(())
-        }
+        lease_kept(!rows.is_empty(), lease)
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
@@ -853,22 +727,10 @@ impl Store for PostgresStore {
         let sql = &self.inner.sql.release;
         let rows = self
             .fetch_all(P, || {
-                let q = sqlx::query(sql)
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence));
-                if self.inner.notify {
-                    q.bind(self.inner.channel.as_str()).bind(payload.as_str())
-                } else {
-                    q
-                }
+                self.notifying(bind_lease(sqlx::query(sql), lease), &payload)
             })
             .await?;
-        if rows.is_empty() {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        } else {
-            Ok(())
-        }
+        lease_kept(!rows.is_empty(), lease)
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
@@ -876,40 +738,26 @@ impl Store for PostgresStore {
         let sql = &self.inner.sql.extend;
         let rows = self
             .fetch_all(P, || {
-                sqlx::query(sql)
-                    .bind(common::span_ms(lease_for))
-                    .bind(lease.scope.as_str().as_bytes())
-                    .bind(lease.key.as_str().as_bytes())
-                    .bind(to_i64(lease.fence))
+                bind_lease(sqlx::query(sql).bind(common::span_ms(lease_for)), lease)
             })
             .await?;
         let Some(row) = rows.first() else {
             return Err(StoreError::LeaseLost { fence: lease.fence });
         };
-        let until: i64 = row
-            .try_get("deadline")
-            .map_err(|e| corrupt(P, format!("undecodable column: {e}")))?;
+        let until: i64 = column(row, "deadline", P)?;
         Ok(Lease {
-            until: Millis(u64::try_from(until).unwrap_or(0)),
+            until: millis(until),
             ..lease.clone()
         })
     }
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         const P: Phase = Phase::Get;
-        let sql = &self.inner.sql.get;
-        let rows = self
-            .fetch_all(P, || {
-                sqlx::query(sql)
-                    .bind(scope.as_str().as_bytes())
-                    .bind(key.as_str().as_bytes())
-            })
-            .await?;
-        let Some(row) = rows.first() else {
+        let Some(row) = self.fetch_keyed(P, &self.inner.sql.get, scope, key).await? else {
             return Ok(None);
         };
-        let raw = raw_record(row, P)?;
-        if !raw.is_live(now_of(row, P)?) {
+        let raw = raw_record(&row, P)?;
+        if !raw.is_live(now_of(&row, P)?) {
             return Ok(None);
         }
         raw.to_record(P).map(Some)
@@ -921,14 +769,7 @@ impl Store for PostgresStore {
         let sql = &self.inner.sql.delete;
         let rows = self
             .fetch_all(P, || {
-                let q = sqlx::query(sql)
-                    .bind(scope.as_str().as_bytes())
-                    .bind(key.as_str().as_bytes());
-                if self.inner.notify {
-                    q.bind(self.inner.channel.as_str()).bind(payload.as_str())
-                } else {
-                    q
-                }
+                self.notifying(bind_key(sqlx::query(sql), scope, key), &payload)
             })
             .await?;
         Ok(!rows.is_empty())
@@ -940,19 +781,16 @@ impl Store for PostgresStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         const P: Phase = Phase::Purge;
         let sql = &self.inner.sql.purge;
-        let mut total = 0;
-        loop {
+        common::in_batches(PURGE_BATCH, || async {
             let done = with_retries(P, || {
                 self.attempt(P, |pool| async move {
                     sqlx::query(sql).bind(PURGE_BATCH).execute(&pool).await
                 })
             })
             .await?;
-            total += done.rows_affected();
-            if done.rows_affected() < PURGE_BATCH as u64 {
-                return Ok(total);
-            }
-        }
+            Ok(done.rows_affected())
+        })
+        .await
     }
 
     /// Waits for a `NOTIFY` from `complete`, `release` or `delete` of this
@@ -992,17 +830,12 @@ impl Store for PostgresStore {
                     Ok(_) => return Ok(()),
                 }
             },
-            None => loop {
-                let now = tokio::time::Instant::now();
-                if now >= until {
-                    return Ok(());
-                }
-                tokio::time::sleep((until - now).min(self.inner.poll_interval)).await;
-                match self.live_claim(scope, key).await? {
-                    Some((f, _)) if f == fence => {}
-                    _ => return Ok(()),
-                }
-            },
+            None => {
+                common::poll_while_claimed(until, self.inner.poll_interval, fence, || async {
+                    Ok(self.live_claim(scope, key).await?.map(|(f, _)| f))
+                })
+                .await
+            }
         }
     }
 }
@@ -1016,28 +849,20 @@ impl PostgresStore {
         key: &IdempotencyKey,
     ) -> Result<Option<(i64, Duration)>, StoreError> {
         const P: Phase = Phase::Get;
-        let sql = &self.inner.sql.claim_state;
-        let rows = self
-            .fetch_all(P, || {
-                sqlx::query(sql)
-                    .bind(scope.as_str().as_bytes())
-                    .bind(key.as_str().as_bytes())
-            })
-            .await?;
-        let Some(row) = rows.first() else {
+        let Some(row) = self
+            .fetch_keyed(P, &self.inner.sql.claim_state, scope, key)
+            .await?
+        else {
             return Ok(None);
         };
-        let col = |e: sqlx::Error| corrupt(P, format!("undecodable column: {e}"));
-        let state = i64::from(row.try_get::<i16, _>("state").map_err(col)?);
-        let fence: i64 = row.try_get("fence").map_err(col)?;
-        let deadline: i64 = row.try_get("deadline").map_err(col)?;
-        let now = now_of(row, P)?;
-        Ok((state == IN_PROGRESS && deadline > now).then(|| {
-            (
-                fence,
-                Duration::from_millis(u64::try_from(deadline - now).unwrap_or(0)),
-            )
-        }))
+        let claim = RawRecord {
+            fingerprint: Vec::new(),
+            state: column::<_, i16>(&row, "state", P)?.into(),
+            fence: column(&row, "fence", P)?,
+            deadline: column(&row, "deadline", P)?,
+            response: None,
+        };
+        Ok(claim.live_claim(now_of(&row, P)?))
     }
 }
 

@@ -7,26 +7,21 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    duration_ms, Begin, BeginRequest, Clock, Fingerprint, IdempotencyKey, Lease, Millis, Phase,
-    Record, RecordState, Scope, SharedClock, Store, StoreError, StoredResponse, SystemClock,
+    duration_ms, Begin, BeginRequest, Clock, IdempotencyKey, Lease, Phase, Record, Scope,
+    SharedClock, Store, StoreError, StoredResponse, SystemClock,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::{Row, SqliteConnection};
+use sqlx::SqliteConnection;
+
+use crate::common::{
+    in_batches, lease_kept, millis, poll_while_claimed, retry, to_i64, RawRecord, PURGE_BATCH,
+};
 
 /// The embedded schema migrations (`migrations/sqlite` in this crate).
 static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
-
-/// Records removed per statement by [`SqliteStore::purge_expired`], so a large
-/// purge never holds the write lock for long.
-const PURGE_BATCH: i64 = 1_000;
-
-/// Record states as stored in the `state` column.
-const IN_PROGRESS: i64 = 0;
-const COMPLETED: i64 = 1;
 
 /// Settings of a [`SqliteStore`] opened with [`SqliteStore::open_with`].
 ///
@@ -73,23 +68,7 @@ impl SqliteOptions {
         self
     }
 
-    /// Sets [`Self::max_connections`] (0 is taken as 1).
-    pub fn with_max_connections(mut self, n: u32) -> Self {
-        self.max_connections = n.max(1);
-        self
-    }
-
-    /// Sets [`Self::acquire_timeout`].
-    pub fn with_acquire_timeout(mut self, d: Duration) -> Self {
-        self.acquire_timeout = d;
-        self
-    }
-
-    /// Sets [`Self::poll_interval`] (at least 1 ms).
-    pub fn with_poll_interval(mut self, d: Duration) -> Self {
-        self.poll_interval = d.max(Duration::from_millis(1));
-        self
-    }
+    crate::common::option_setters!(max_connections, acquire_timeout, poll_interval);
 }
 
 /// A [`Store`] in one SQLite file: durable, and safe to share between
@@ -282,106 +261,26 @@ fn connect_options(path_or_url: &str) -> Result<(SqliteConnectOptions, bool), St
 
 /// Runs the embedded migrations. Several processes may open a new file at
 /// once; SQLite migrations take no lock, so a loser of that race retries
-/// (the migration is idempotent and then found applied).
+/// (the migration is idempotent and then found applied): at most 6
+/// attempts, pausing 25 ms × 2ⁿ (jittered) in between.
 async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
-    let mut attempt = 0u32;
-    loop {
-        match MIGRATOR.run(pool).await {
-            Ok(()) => return Ok(()),
-            Err(e @ (MigrateError::Execute(_) | MigrateError::ExecuteMigration(..)))
-                if attempt < 5 =>
-            {
-                attempt += 1;
-                tracing::debug!(error = %e, attempt, "SQLite migration raced; retrying");
-                tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
-            }
-            Err(e) => return Err(StoreError::unavailable(Phase::Connect, e)),
-        }
-    }
-}
-
-fn to_i64(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
+    retry(
+        6,
+        Duration::from_millis(25),
+        || MIGRATOR.run(pool),
+        |e| {
+            matches!(
+                e,
+                MigrateError::Execute(_) | MigrateError::ExecuteMigration(..)
+            )
+        },
+    )
+    .await
+    .map_err(|e| StoreError::unavailable(Phase::Connect, e))
 }
 
 fn unavailable(phase: Phase) -> impl FnOnce(sqlx::Error) -> StoreError {
     move |e| StoreError::unavailable(phase, e)
-}
-
-fn corrupt(phase: Phase, detail: impl Into<String>) -> StoreError {
-    StoreError::Corrupt {
-        phase,
-        detail: detail.into(),
-    }
-}
-
-/// One row of `idem_records`, undecoded.
-#[derive(Debug)]
-struct RawRecord {
-    fingerprint: Vec<u8>,
-    state: i64,
-    fence: i64,
-    deadline: i64,
-    response: Option<Vec<u8>>,
-}
-
-impl RawRecord {
-    fn from_row(row: &SqliteRow, phase: Phase) -> Result<Self, StoreError> {
-        let col = |e: sqlx::Error| corrupt(phase, format!("undecodable column: {e}"));
-        Ok(Self {
-            fingerprint: row.try_get("fingerprint").map_err(col)?,
-            state: row.try_get("state").map_err(col)?,
-            fence: row.try_get("fence").map_err(col)?,
-            deadline: row.try_get("deadline").map_err(col)?,
-            response: row.try_get("response").map_err(col)?,
-        })
-    }
-
-    fn fingerprint(&self, phase: Phase) -> Result<Fingerprint, StoreError> {
-        <[u8; 32]>::try_from(self.fingerprint.as_slice())
-            .map(Fingerprint)
-            .map_err(|_| {
-                corrupt(
-                    phase,
-                    format!("fingerprint is {} bytes, not 32", self.fingerprint.len()),
-                )
-            })
-    }
-
-    fn fence(&self, phase: Phase) -> Result<u64, StoreError> {
-        u64::try_from(self.fence)
-            .map_err(|_| corrupt(phase, format!("negative fence {}", self.fence)))
-    }
-
-    fn response(&self, phase: Phase) -> Result<StoredResponse, StoreError> {
-        let blob = self
-            .response
-            .as_deref()
-            .ok_or_else(|| corrupt(phase, "completed record without a response"))?;
-        StoredResponse::decode(blob).map_err(|e| corrupt(phase, format!("stored response: {e}")))
-    }
-
-    /// The answer to `begin` while the record is live; `None` when it has
-    /// expired (the key may be claimed).
-    fn live_answer(
-        &self,
-        req: &BeginRequest,
-        now: i64,
-        phase: Phase,
-    ) -> Result<Option<Begin>, StoreError> {
-        if self.deadline <= now {
-            return Ok(None);
-        }
-        let same = self.fingerprint(phase)? == req.fingerprint;
-        Ok(Some(match self.state {
-            IN_PROGRESS if same => Begin::InFlight {
-                retry_after: Duration::from_millis(u64::try_from(self.deadline - now).unwrap_or(0)),
-            },
-            COMPLETED if same => Begin::Replay(self.response(phase)?),
-            IN_PROGRESS | COMPLETED => Begin::Mismatch,
-            s => return Err(corrupt(phase, format!("unknown record state {s}"))),
-        }))
-    }
 }
 
 const SELECT_RECORD: &str = "SELECT fingerprint, state, fence, deadline, response \
@@ -399,7 +298,7 @@ async fn read_record(
         .fetch_optional(&mut *conn)
         .await
         .map_err(unavailable(phase))?
-        .map(|r| RawRecord::from_row(&r, phase))
+        .map(|r| RawRecord::from_row::<_, i64>(&r, phase))
         .transpose()
 }
 
@@ -421,8 +320,9 @@ impl Store for SqliteStore {
         const P: Phase = Phase::Begin;
         // 1. One read, no write lock: a live record answers from it.
         if let Some(row) = self.read_pooled(&req.scope, &req.key, P).await? {
-            if let Some(answer) = row.live_answer(req, self.now(), P)? {
-                return Ok(answer);
+            let now = self.now();
+            if row.is_live(now) {
+                return row.answer(req, now, P);
             }
         }
         // 2. Absent or expired: claim under the write lock, re-reading first.
@@ -436,9 +336,10 @@ impl Store for SqliteStore {
         // shorten the new lease.
         let now = self.now();
         if let Some(row) = read_record(&mut tx, &req.scope, &req.key, P).await? {
-            if let Some(answer) = row.live_answer(req, now, P)? {
+            if row.is_live(now) {
+                let answer = row.answer(req, now, P);
                 tx.rollback().await.map_err(unavailable(P))?;
-                return Ok(answer);
+                return answer;
             }
         }
         let fence: i64 = sqlx::query_scalar(
@@ -451,7 +352,7 @@ impl Store for SqliteStore {
         .await
         .map_err(unavailable(P))?;
         let fence = u64::try_from(fence)
-            .map_err(|_| corrupt(P, format!("negative fence counter {fence}")))?;
+            .map_err(|_| StoreError::corrupt(P, format!("negative fence counter {fence}")))?;
         let until = now.saturating_add(to_i64(duration_ms(req.lease)));
         sqlx::query(
             "INSERT INTO idem_records (scope, key, fingerprint, state, fence, deadline, response) \
@@ -472,7 +373,7 @@ impl Store for SqliteStore {
             scope: req.scope.clone(),
             key: req.key.clone(),
             fence,
-            until: Millis(u64::try_from(until).unwrap_or(0)),
+            until: millis(until),
         }))
     }
 
@@ -498,11 +399,7 @@ impl Store for SqliteStore {
         .execute(&self.pool)
         .await
         .map_err(unavailable(P))?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
@@ -516,11 +413,7 @@ impl Store for SqliteStore {
         .execute(&self.pool)
         .await
         .map_err(unavailable(Phase::Release))?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
@@ -537,14 +430,11 @@ impl Store for SqliteStore {
         .execute(&self.pool)
         .await
         .map_err(unavailable(Phase::Extend))?;
-        if done.rows_affected() == 1 {
-            Ok(Lease {
-                until: Millis(u64::try_from(until).unwrap_or(0)),
-                ..lease.clone()
-            })
-        } else {
-            Err(StoreError::LeaseLost { fence: lease.fence })
-        }
+        lease_kept(done.rows_affected() == 1, lease)?;
+        Ok(Lease {
+            until: millis(until),
+            ..lease.clone()
+        })
     }
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
@@ -552,23 +442,10 @@ impl Store for SqliteStore {
         let Some(row) = self.read_pooled(scope, key, P).await? else {
             return Ok(None);
         };
-        if row.deadline <= self.now() {
+        if !row.is_live(self.now()) {
             return Ok(None);
         }
-        let fingerprint = row.fingerprint(P)?;
-        let at = Millis(u64::try_from(row.deadline).unwrap_or(0));
-        let state = match row.state {
-            IN_PROGRESS => RecordState::InProgress {
-                fence: row.fence(P)?,
-                lease_until: at,
-            },
-            COMPLETED => RecordState::Completed {
-                response: row.response(P)?,
-                expires_at: at,
-            },
-            s => return Err(corrupt(P, format!("unknown record state {s}"))),
-        };
-        Ok(Some(Record { fingerprint, state }))
+        row.to_record(P).map(Some)
     }
 
     async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
@@ -583,24 +460,20 @@ impl Store for SqliteStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        let mut total = 0;
-        loop {
+        in_batches(PURGE_BATCH, || async {
             let _local = self.write_lock.lock().await;
-            let now = self.now();
             let done = sqlx::query(
                 "DELETE FROM idem_records WHERE (scope, key) IN \
                  (SELECT scope, key FROM idem_records WHERE deadline <= ?1 LIMIT ?2)",
             )
-            .bind(now)
+            .bind(self.now())
             .bind(PURGE_BATCH)
             .execute(&self.pool)
             .await
             .map_err(unavailable(Phase::Purge))?;
-            total += done.rows_affected();
-            if done.rows_affected() < PURGE_BATCH as u64 {
-                return Ok(total);
-            }
-        }
+            Ok(done.rows_affected())
+        })
+        .await
     }
 
     /// Polls the record every [`SqliteOptions::poll_interval`] (default
@@ -614,23 +487,16 @@ impl Store for SqliteStore {
     ) -> Result<(), StoreError> {
         const P: Phase = Phase::Get;
         let deadline = tokio::time::Instant::now() + max;
-        let claim = |row: Option<RawRecord>, now: i64| match row {
-            Some(r) if r.state == IN_PROGRESS && r.deadline > now => Some(r.fence),
-            _ => None,
+        let claim = |row: Option<RawRecord>, now: i64| {
+            row.and_then(|r| r.live_claim(now)).map(|(fence, _)| fence)
         };
         let Some(fence) = claim(self.read_pooled(scope, key, P).await?, self.now()) else {
             return Ok(());
         };
-        loop {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if left.is_zero() {
-                return Ok(());
-            }
-            tokio::time::sleep(left.min(self.poll_interval)).await;
-            if claim(self.read_pooled(scope, key, P).await?, self.now()) != Some(fence) {
-                return Ok(());
-            }
-        }
+        poll_while_claimed(deadline, self.poll_interval, fence, || async {
+            Ok(claim(self.read_pooled(scope, key, P).await?, self.now()))
+        })
+        .await
     }
 }
 

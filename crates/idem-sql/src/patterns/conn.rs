@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use super::error::{classify, PatternError};
 use super::SqlValue;
 
-pub(crate) use sealed::Dialect;
+pub(crate) use crate::dialect::Dialect;
 
 /// A connection the patterns can run on: `sqlx::SqliteConnection`,
 /// `sqlx::PgConnection` (feature `postgres`) and `sqlx::MySqlConnection`
@@ -22,20 +22,7 @@ pub(crate) use sealed::Dialect;
 pub trait SqlConnection: sealed::Sealed {}
 
 mod sealed {
-    use super::{async_trait, PatternError, SqlValue};
-
-    /// The database family of a connection.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub enum Dialect {
-        /// SQLite.
-        Sqlite,
-        /// PostgreSQL.
-        #[cfg(feature = "postgres")]
-        Postgres,
-        /// MySQL / MariaDB.
-        #[cfg(feature = "mysql")]
-        MySql,
-    }
+    use super::{async_trait, Dialect, PatternError, SqlValue};
 
     /// The driver-specific steps (hidden; the trait is sealed).
     #[async_trait]
@@ -104,7 +91,7 @@ macro_rules! impl_conn {
                 q.execute(&mut *self)
                     .await
                     .map(|r| r.rows_affected())
-                    .map_err(|e| classify($dialect, e))
+                    .map_err(classify)
             }
 
             async fn fetch_first(
@@ -113,10 +100,7 @@ macro_rules! impl_conn {
                 args: &[SqlValue],
             ) -> Result<Option<SqlValue>, PatternError> {
                 let q = bind_all!(sqlx::query(sql).persistent($persistent), args);
-                let row = q
-                    .fetch_optional(&mut *self)
-                    .await
-                    .map_err(|e| classify($dialect, e))?;
+                let row = q.fetch_optional(&mut *self).await.map_err(classify)?;
                 row.as_ref().map($decode).transpose()
             }
         }
@@ -148,14 +132,22 @@ fn decode_err(e: sqlx::Error) -> PatternError {
     }
 }
 
-fn decode_sqlite(row: &sqlx::sqlite::SqliteRow) -> Result<SqlValue, PatternError> {
-    use sqlx::{Row, TypeInfo, ValueRef};
+/// The type name of the first column's value; `None` for `NULL`.
+fn first_type<R: sqlx::Row>(row: &R) -> Result<Option<String>, PatternError>
+where
+    usize: sqlx::ColumnIndex<R>,
+{
+    use sqlx::{TypeInfo, ValueRef};
     let raw = row.try_get_raw(0).map_err(decode_err)?;
-    if raw.is_null() {
-        return Ok(SqlValue::Null);
-    }
+    Ok((!raw.is_null()).then(|| raw.type_info().name().to_owned()))
+}
+
+fn decode_sqlite(row: &sqlx::sqlite::SqliteRow) -> Result<SqlValue, PatternError> {
+    use sqlx::Row;
     // The value's own storage class (SQLite types values, not columns).
-    let ty = raw.type_info().name().to_owned();
+    let Some(ty) = first_type(row)? else {
+        return Ok(SqlValue::Null);
+    };
     match ty.as_str() {
         "INTEGER" | "BOOLEAN" => row.try_get::<i64, _>(0).map(SqlValue::I64),
         "TEXT" => row.try_get::<String, _>(0).map(SqlValue::Text),
@@ -167,12 +159,10 @@ fn decode_sqlite(row: &sqlx::sqlite::SqliteRow) -> Result<SqlValue, PatternError
 
 #[cfg(feature = "postgres")]
 fn decode_postgres(row: &sqlx::postgres::PgRow) -> Result<SqlValue, PatternError> {
-    use sqlx::{Row, TypeInfo, ValueRef};
-    let raw = row.try_get_raw(0).map_err(decode_err)?;
-    if raw.is_null() {
+    use sqlx::Row;
+    let Some(ty) = first_type(row)? else {
         return Ok(SqlValue::Null);
-    }
-    let ty = raw.type_info().name().to_owned();
+    };
     match ty.as_str() {
         "INT8" => row.try_get::<i64, _>(0).map(SqlValue::I64),
         "INT4" => row.try_get::<i32, _>(0).map(|v| SqlValue::I64(v.into())),
@@ -211,12 +201,10 @@ fn uuid_text(b: &[u8]) -> Option<String> {
 
 #[cfg(feature = "mysql")]
 fn decode_mysql(row: &sqlx::mysql::MySqlRow) -> Result<SqlValue, PatternError> {
-    use sqlx::{Row, TypeInfo, ValueRef};
-    let raw = row.try_get_raw(0).map_err(decode_err)?;
-    if raw.is_null() {
+    use sqlx::Row;
+    let Some(ty) = first_type(row)? else {
         return Ok(SqlValue::Null);
-    }
-    let ty = raw.type_info().name().to_owned();
+    };
     // Each `try_get` checks the column type first, so the order only picks
     // the first family that fits.
     if let Ok(v) = row.try_get::<i64, _>(0) {

@@ -1,6 +1,6 @@
 //! [`PatternError`] and the mapping of driver errors by code.
 
-use super::conn::Dialect;
+use crate::dialect::{error_kind, ErrorKind};
 
 /// Why a pattern could not give an answer.
 ///
@@ -119,43 +119,15 @@ impl PatternError {
     }
 }
 
-/// Maps a driver error by code (never by message text).
-pub(crate) fn classify(dialect: Dialect, source: sqlx::Error) -> PatternError {
-    let sqlx::Error::Database(db) = &source else {
-        return PatternError::Database { source };
-    };
-    let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-    match dialect {
-        Dialect::Sqlite => match code.parse::<i32>().unwrap_or(0) {
-            // SQLITE_BUSY_SNAPSHOT.
-            517 => PatternError::SerializationFailure { source },
-            // SQLITE_CONSTRAINT_UNIQUE, SQLITE_CONSTRAINT_PRIMARYKEY.
-            2067 | 1555 => PatternError::UniqueViolation { source },
-            // SQLITE_BUSY (5) and SQLITE_LOCKED (6) with their extended codes.
-            c if c & 0xff == 5 || c & 0xff == 6 => PatternError::Busy { source },
-            _ => PatternError::Database { source },
-        },
-        #[cfg(feature = "postgres")]
-        Dialect::Postgres => match code.as_str() {
-            "40001" | "40P01" => PatternError::SerializationFailure { source },
-            "23505" => PatternError::UniqueViolation { source },
-            "55P03" => PatternError::Busy { source },
-            _ => PatternError::Database { source },
-        },
-        #[cfg(feature = "mysql")]
-        Dialect::MySql => {
-            let number = db
-                .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-                .map(sqlx::mysql::MySqlDatabaseError::number);
-            match number {
-                // ER_LOCK_DEADLOCK.
-                Some(1213) => PatternError::SerializationFailure { source },
-                // ER_DUP_ENTRY.
-                Some(1062) => PatternError::UniqueViolation { source },
-                // ER_LOCK_WAIT_TIMEOUT.
-                Some(1205) => PatternError::Busy { source },
-                _ => PatternError::Database { source },
-            }
+/// Maps a driver error by its [`ErrorKind`] (by code, never by message
+/// text).
+pub(crate) fn classify(source: sqlx::Error) -> PatternError {
+    match error_kind(&source) {
+        Some(k) if k.is_conflict() => PatternError::SerializationFailure { source },
+        Some(ErrorKind::UniqueViolation) => PatternError::UniqueViolation { source },
+        Some(ErrorKind::Busy | ErrorKind::LockWaitTimeout | ErrorKind::LockNotAvailable) => {
+            PatternError::Busy { source }
         }
+        _ => PatternError::Database { source },
     }
 }

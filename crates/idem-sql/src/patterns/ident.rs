@@ -8,21 +8,7 @@ use super::error::PatternError;
 pub(crate) const MAX_IDENT_LEN: usize = 63;
 
 fn is_ident(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        && name.len() <= MAX_IDENT_LEN
-}
-
-fn quote(dialect: Dialect, part: &str) -> String {
-    // `part` passed `is_ident`: no quote character can occur in it.
-    match dialect {
-        #[cfg(feature = "mysql")]
-        Dialect::MySql => format!("`{part}`"),
-        _ => format!("\"{part}\""),
-    }
+    crate::dialect::is_plain_ident(name, MAX_IDENT_LEN)
 }
 
 /// A column name: `[A-Za-z_][A-Za-z0-9_]{0,62}`.
@@ -46,7 +32,7 @@ impl Column {
     }
 
     pub(crate) fn quoted(&self, dialect: Dialect) -> String {
-        quote(dialect, &self.0)
+        dialect.quote(&self.0)
     }
 }
 
@@ -96,9 +82,56 @@ impl Table {
 
     pub(crate) fn quoted(&self, dialect: Dialect) -> String {
         match &self.schema {
-            Some(s) => format!("{}.{}", quote(dialect, s), quote(dialect, &self.name)),
-            None => quote(dialect, &self.name),
+            Some(s) => dialect.quote_path(&[s, &self.name]),
+            None => dialect.quote(&self.name),
         }
+    }
+}
+
+/// What a pattern works on: a table, its id column, and the one column the
+/// pattern manages (the state, the version, the business key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Target {
+    pub(crate) table: Table,
+    pub(crate) id: Column,
+    pub(crate) column: Column,
+}
+
+/// The names of a [`Target`], quoted for one dialect.
+#[derive(Debug)]
+pub(crate) struct Quoted {
+    pub(crate) table: String,
+    pub(crate) id: String,
+    pub(crate) column: String,
+}
+
+impl Target {
+    /// Validates the three names.
+    pub(crate) fn parse(table: &str, id_column: &str, column: &str) -> Result<Self, PatternError> {
+        Ok(Self {
+            table: Table::parse(table)?,
+            id: Column::parse(id_column)?,
+            column: Column::parse(column)?,
+        })
+    }
+
+    pub(crate) fn quoted(&self, dialect: Dialect) -> Quoted {
+        Quoted {
+            table: self.table.quoted(dialect),
+            id: self.id.quoted(dialect),
+            column: self.column.quoted(dialect),
+        }
+    }
+}
+
+/// `InvalidArgument` when `value` (an id or key, named by `what`) is `NULL`.
+pub(crate) fn not_null(value: &super::SqlValue, what: &str) -> Result<(), PatternError> {
+    if value.is_null() {
+        Err(PatternError::InvalidArgument {
+            detail: format!("the {what} is NULL"),
+        })
+    } else {
+        Ok(())
     }
 }
 

@@ -1,13 +1,8 @@
 //! [`InsertOrGet`]: create a row once per business key.
 
-use std::time::Duration;
-
-use rand::Rng;
-
-use super::conn::{Dialect, SqlConnection};
-use super::ident::{self, Column, Table};
+use super::conn::SqlConnection;
+use super::ident::{self, Quoted, Target};
 use super::sql::Sql;
-use super::transition::latest_read_suffix;
 use super::{PatternError, SqlValue};
 
 /// Attempts of one [`InsertOrGet::insert_or_get`] call (retries happen only
@@ -110,9 +105,8 @@ pub struct Created {
 /// ```
 #[derive(Debug, Clone)]
 pub struct InsertOrGet {
-    table: Table,
-    id: Column,
-    key: Column,
+    /// The table, the id column and the key column.
+    target: Target,
     /// MySQL / MariaDB: the table checked once (shared by clones).
     #[cfg(feature = "mysql")]
     mysql_checked: std::sync::Arc<std::sync::OnceLock<MySqlTable>>,
@@ -136,9 +130,7 @@ impl InsertOrGet {
     /// [`StateMachine::new`](super::StateMachine::new)).
     pub fn new(table: &str, id_column: &str, key_column: &str) -> Result<Self, PatternError> {
         Ok(Self {
-            table: Table::parse(table)?,
-            id: Column::parse(id_column)?,
-            key: Column::parse(key_column)?,
+            target: Target::parse(table, id_column, key_column)?,
             #[cfg(feature = "mysql")]
             mysql_checked: Default::default(),
         })
@@ -157,17 +149,17 @@ impl InsertOrGet {
         if let Some(t) = self.mysql_checked.get() {
             return Ok(Some(*t));
         }
-        let d = Dialect::MySql;
+        let d = crate::dialect::Dialect::MySql;
         let of_table = |q: &mut Sql| {
             q.push("TABLE_SCHEMA = ");
-            match self.table.schema() {
+            match self.target.table.schema() {
                 Some(schema) => q.bind(SqlValue::Text(schema.to_owned())),
                 None => q.push("DATABASE()"),
             };
             q.push(" AND TABLE_NAME = ")
-                .bind(SqlValue::Text(self.table.name().to_owned()));
+                .bind(SqlValue::Text(self.target.table.name().to_owned()));
         };
-        let key = || SqlValue::Text(self.key.name().to_owned());
+        let key = || SqlValue::Text(self.target.column.name().to_owned());
         let mut q = Sql::new(d);
         // bit 0: the key column exists; bit 1: a unique index (or the
         // primary key) made of exactly that column; bit 2: the id column
@@ -184,7 +176,7 @@ impl InsertOrGet {
         q.push(") + 4 * (SELECT COUNT(*) FROM information_schema.COLUMNS WHERE ");
         of_table(&mut q);
         q.push(" AND COLUMN_NAME = ")
-            .bind(SqlValue::Text(self.id.name().to_owned()))
+            .bind(SqlValue::Text(self.target.id.name().to_owned()))
             .push(" AND EXTRA LIKE '%auto_increment%') AS SIGNED)");
         let bits = match conn.fetch_first(&q.text, &q.args).await? {
             Some(SqlValue::I64(v)) => v,
@@ -199,11 +191,11 @@ impl InsertOrGet {
         }
         if bits & 2 == 0 {
             return Err(PatternError::KeyNotUnique {
-                table: match self.table.schema() {
-                    Some(schema) => format!("{schema}.{}", self.table.name()),
-                    None => self.table.name().to_owned(),
+                table: match self.target.table.schema() {
+                    Some(schema) => format!("{schema}.{}", self.target.table.name()),
+                    None => self.target.table.name().to_owned(),
                 },
-                column: self.key.name().to_owned(),
+                column: self.target.column.name().to_owned(),
             });
         }
         let t = MySqlTable {
@@ -242,30 +234,29 @@ impl InsertOrGet {
         values: &[(&str, SqlValue)],
     ) -> Result<Created, PatternError> {
         let key = key.into();
-        let cols = ident::columns(values, &[(&self.key, "key")])?;
-        if key.is_null() {
-            return Err(PatternError::InvalidArgument {
-                detail: "the key is NULL".into(),
-            });
-        }
+        let cols = ident::columns(values, &[(&self.target.column, "key")])?;
+        ident::not_null(&key, "key")?;
         let given_id = cols
             .iter()
             .zip(values)
-            .find(|(c, _)| c.name() == self.id.name())
+            .find(|(c, _)| c.name() == self.target.id.name())
             .map(|(_, (_, v))| v.clone())
             // A NULL id lets the database generate one (AUTO_INCREMENT).
             .filter(|v| !v.is_null());
         let d = conn.dialect();
         #[cfg(feature = "mysql")]
-        let mysql_table = if is_mysql(d) {
+        let mysql_table = if !d.has_insert_returning() {
             self.mysql_table(conn).await?
         } else {
             None
         };
         #[cfg(not(feature = "mysql"))]
         let mysql_table: Option<()> = None;
-        let (table, id_col, key_col) =
-            (self.table.quoted(d), self.id.quoted(d), self.key.quoted(d));
+        let Quoted {
+            table,
+            id: id_col,
+            column: key_col,
+        } = self.target.quoted(d);
 
         let mut insert = Sql::new(d);
         insert
@@ -281,7 +272,7 @@ impl InsertOrGet {
             insert.push(", ").bind(v.clone());
         }
         insert.push(")");
-        let upsert = !is_mysql(d);
+        let upsert = d.has_insert_returning();
         if upsert {
             insert
                 .push(" ON CONFLICT (")
@@ -302,7 +293,7 @@ impl InsertOrGet {
                 .push(" = ")
                 .bind(key.clone());
             if locking {
-                s.push(latest_read_suffix(d, in_transaction));
+                s.push(d.latest_read_suffix(in_transaction));
             }
             s
         };
@@ -311,7 +302,7 @@ impl InsertOrGet {
         let mut last: Option<PatternError> = None;
         for attempt in 1..=MAX_ATTEMPTS {
             if attempt > 1 {
-                tokio::time::sleep(backoff(attempt - 1)).await;
+                tokio::time::sleep(crate::common::backoff(attempt - 1)).await;
             }
             if upsert {
                 // PostgreSQL and SQLite: a key conflict is not an error.
@@ -374,19 +365,6 @@ impl InsertOrGet {
     }
 }
 
-/// MySQL and MariaDB: no `INSERT … RETURNING` on MySQL, so no upsert form.
-fn is_mysql(d: Dialect) -> bool {
-    #[cfg(feature = "mysql")]
-    {
-        d == Dialect::MySql
-    }
-    #[cfg(not(feature = "mysql"))]
-    {
-        let _ = d;
-        false
-    }
-}
-
 /// A deadlock / serialization failure outside a transaction changed
 /// nothing and may be retried (returned as `Ok`, kept as the last failure);
 /// anything else, or inside a transaction (which the server rolled back),
@@ -408,10 +386,4 @@ fn created(id: SqlValue, inserted: bool) -> Result<Created, PatternError> {
         });
     }
     Ok(Created { id, inserted })
-}
-
-/// 5 ms × 2^(retry-1), ±50 % jitter.
-fn backoff(retry: u32) -> Duration {
-    let base = Duration::from_millis(5) * 2u32.saturating_pow(retry.saturating_sub(1)).min(64);
-    base.mul_f64(rand::thread_rng().gen_range(0.5..1.5))
 }

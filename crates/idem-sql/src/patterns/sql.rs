@@ -1,6 +1,7 @@
 //! A tiny statement builder: placeholders per dialect, values bound.
 
 use super::conn::Dialect;
+use super::ident::{Column, Quoted};
 use super::SqlValue;
 
 /// SQL text with its bound values. Names go in through
@@ -36,14 +37,31 @@ impl Sql {
             return self;
         }
         self.args.push(value);
-        match self.dialect {
-            #[cfg(feature = "postgres")]
-            Dialect::Postgres => {
-                self.text.push('$');
-                self.text.push_str(&self.args.len().to_string());
-            }
-            _ => self.text.push('?'),
-        }
+        self.text.push_str(&self.dialect.param(self.args.len()));
         self
     }
+}
+
+/// `UPDATE table SET <head>, c = ?, … WHERE id = ?` with the columns of
+/// `set` (validated as `cols`); the caller appends its guard (`AND …`).
+/// `head` writes the pattern's own assignment.
+pub(crate) fn update(
+    dialect: Dialect,
+    q: &Quoted,
+    head: impl FnOnce(&mut Sql),
+    cols: &[Column],
+    set: &[(&str, SqlValue)],
+    id: SqlValue,
+) -> Sql {
+    let mut sql = Sql::new(dialect);
+    sql.push("UPDATE ").push(&q.table).push(" SET ");
+    head(&mut sql);
+    for (c, (_, v)) in cols.iter().zip(set) {
+        sql.push(", ")
+            .push(&c.quoted(dialect))
+            .push(" = ")
+            .bind(v.clone());
+    }
+    sql.push(" WHERE ").push(&q.id).push(" = ").bind(id);
+    sql
 }

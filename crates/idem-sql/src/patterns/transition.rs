@@ -1,8 +1,8 @@
 //! [`StateMachine`]: compare-and-set state transitions.
 
-use super::conn::{Dialect, SqlConnection};
-use super::ident::{self, Column, Table};
-use super::sql::Sql;
+use super::conn::SqlConnection;
+use super::ident::{self, Quoted, Target};
+use super::sql::{update, Sql};
 use super::{PatternError, SqlValue};
 
 /// What [`StateMachine::transition`] found.
@@ -107,9 +107,8 @@ pub enum Transition {
 /// ```
 #[derive(Debug, Clone)]
 pub struct StateMachine {
-    table: Table,
-    id: Column,
-    state: Column,
+    /// The table, the id column and the state column.
+    target: Target,
 }
 
 impl StateMachine {
@@ -121,11 +120,7 @@ impl StateMachine {
     /// [`PatternError::InvalidIdentifier`] for a name that is not
     /// `[A-Za-z_][A-Za-z0-9_]{0,62}` (or `schema.table` of two such).
     pub fn new(table: &str, id_column: &str, state_column: &str) -> Result<Self, PatternError> {
-        Ok(Self {
-            table: Table::parse(table)?,
-            id: Column::parse(id_column)?,
-            state: Column::parse(state_column)?,
-        })
+        Target::parse(table, id_column, state_column).map(|target| Self { target })
     }
 
     /// Moves row `id` from any state in `from` to `to`; see
@@ -170,43 +165,21 @@ impl StateMachine {
         set: &[(&str, SqlValue)],
     ) -> Result<Transition, PatternError> {
         let id = id.into();
-        let cols = ident::columns(set, &[(&self.state, "state"), (&self.id, "id")])?;
+        let t = &self.target;
+        let cols = ident::columns(set, &[(&t.column, "state"), (&t.id, "id")])?;
         if from.is_empty() {
             return Err(PatternError::InvalidArgument {
                 detail: "the set of `from` states is empty".into(),
             });
         }
-        if id.is_null() {
-            return Err(PatternError::InvalidArgument {
-                detail: "the id is NULL".into(),
-            });
-        }
+        ident::not_null(&id, "id")?;
         let d = conn.dialect();
-        let (table, id_col, state) = (
-            self.table.quoted(d),
-            self.id.quoted(d),
-            self.state.quoted(d),
-        );
-        let mut sql = Sql::new(d);
-        sql.push("UPDATE ")
-            .push(&table)
-            .push(" SET ")
-            .push(&state)
-            .push(" = ")
-            .bind(to.into());
-        for (c, (_, v)) in cols.iter().zip(set) {
-            sql.push(", ")
-                .push(&c.quoted(d))
-                .push(" = ")
-                .bind(v.clone());
-        }
-        sql.push(" WHERE ")
-            .push(&id_col)
-            .push(" = ")
-            .bind(id.clone())
-            .push(" AND ")
-            .push(&state)
-            .push(" IN (");
+        let q = t.quoted(d);
+        let head = |sql: &mut Sql| {
+            sql.push(&q.column).push(" = ").bind(to.into());
+        };
+        let mut sql = update(d, &q, head, &cols, set, id.clone());
+        sql.push(" AND ").push(&q.column).push(" IN (");
         for (i, f) in from.iter().enumerate() {
             if i > 0 {
                 sql.push(", ");
@@ -217,7 +190,7 @@ impl StateMachine {
         if conn.execute(&sql.text, &sql.args).await? > 0 {
             return Ok(Transition::Transitioned);
         }
-        match read_latest(conn, &table, &state, &id_col, id).await? {
+        match read_latest(conn, &q, id).await? {
             None => Ok(Transition::NotFound),
             Some(current) => {
                 let s = state_text(current)?;
@@ -249,43 +222,19 @@ fn state_text(v: SqlValue) -> Result<String, PatternError> {
 /// committed row (see [`StateMachine`] for why each form).
 pub(crate) async fn read_latest<C: SqlConnection + ?Sized>(
     conn: &mut C,
-    table: &str,
-    column: &str,
-    id_col: &str,
+    q: &Quoted,
     id: SqlValue,
 ) -> Result<Option<SqlValue>, PatternError> {
     let d = conn.dialect();
     let mut sql = Sql::new(d);
     sql.push("SELECT ")
-        .push(column)
+        .push(&q.column)
         .push(" FROM ")
-        .push(table)
+        .push(&q.table)
         .push(" WHERE ")
-        .push(id_col)
+        .push(&q.id)
         .push(" = ")
         .bind(id)
-        .push(latest_read_suffix(d, conn.in_transaction()));
+        .push(d.latest_read_suffix(conn.in_transaction()));
     conn.fetch_first(&sql.text, &sql.args).await
-}
-
-/// The locking clause that makes a `SELECT` read the latest committed row.
-///
-/// PostgreSQL outside a transaction needs none: the statement runs in its
-/// own transaction whose snapshot is taken after the `UPDATE` committed;
-/// a `FOR SHARE` there would lock the row and cost a WAL flush at commit
-/// (measured per conflict on the dev machine: 4.8 ms with it, 0.4 ms without).
-/// MySQL's locking read is cheap in autocommit, so it is always used (it
-/// also covers a transaction opened with a raw `BEGIN`, which sqlx does
-/// not track).
-pub(crate) fn latest_read_suffix(d: Dialect, in_transaction: bool) -> &'static str {
-    let _ = in_transaction;
-    match d {
-        Dialect::Sqlite => "",
-        #[cfg(feature = "postgres")]
-        Dialect::Postgres if in_transaction => " FOR SHARE",
-        #[cfg(feature = "postgres")]
-        Dialect::Postgres => "",
-        #[cfg(feature = "mysql")]
-        Dialect::MySql => " LOCK IN SHARE MODE",
-    }
 }

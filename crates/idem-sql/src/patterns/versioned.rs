@@ -1,8 +1,8 @@
 //! [`Versioned`]: optimistic updates by version number.
 
 use super::conn::SqlConnection;
-use super::ident::{self, Column, Table};
-use super::sql::Sql;
+use super::ident::{self, Target};
+use super::sql::{update, Sql};
 use super::transition::read_latest;
 use super::{PatternError, SqlValue};
 
@@ -57,9 +57,8 @@ pub enum VersionedUpdate {
 /// ```
 #[derive(Debug, Clone)]
 pub struct Versioned {
-    table: Table,
-    id: Column,
-    version: Column,
+    /// The table, the id column and the version column.
+    target: Target,
 }
 
 impl Versioned {
@@ -71,11 +70,7 @@ impl Versioned {
     /// [`PatternError::InvalidIdentifier`] for a bad name (as
     /// [`StateMachine::new`](super::StateMachine::new)).
     pub fn new(table: &str, id_column: &str, version_column: &str) -> Result<Self, PatternError> {
-        Ok(Self {
-            table: Table::parse(table)?,
-            id: Column::parse(id_column)?,
-            version: Column::parse(version_column)?,
-        })
+        Target::parse(table, id_column, version_column).map(|target| Self { target })
     }
 
     /// Sets the columns in `set` on row `id` and increments its version,
@@ -99,49 +94,28 @@ impl Versioned {
         set: &[(&str, SqlValue)],
     ) -> Result<VersionedUpdate, PatternError> {
         let id = id.into();
-        let cols = ident::columns(set, &[(&self.version, "version"), (&self.id, "id")])?;
-        if id.is_null() {
-            return Err(PatternError::InvalidArgument {
-                detail: "the id is NULL".into(),
-            });
-        }
+        let t = &self.target;
+        let cols = ident::columns(set, &[(&t.column, "version"), (&t.id, "id")])?;
+        ident::not_null(&id, "id")?;
         let Some(next) = expected_version.checked_add(1) else {
             return Err(PatternError::InvalidArgument {
                 detail: "the expected version is i64::MAX; it cannot be incremented".into(),
             });
         };
         let d = conn.dialect();
-        let (table, id_col, version) = (
-            self.table.quoted(d),
-            self.id.quoted(d),
-            self.version.quoted(d),
-        );
-        let mut sql = Sql::new(d);
-        sql.push("UPDATE ")
-            .push(&table)
-            .push(" SET ")
-            .push(&version)
-            .push(" = ")
-            .push(&version)
-            .push(" + 1");
-        for (c, (_, v)) in cols.iter().zip(set) {
-            sql.push(", ")
-                .push(&c.quoted(d))
-                .push(" = ")
-                .bind(v.clone());
-        }
-        sql.push(" WHERE ")
-            .push(&id_col)
-            .push(" = ")
-            .bind(id.clone())
-            .push(" AND ")
-            .push(&version)
+        let q = t.quoted(d);
+        let head = |sql: &mut Sql| {
+            sql.push(&q.column).push(" = ").push(&q.column).push(" + 1");
+        };
+        let mut sql = update(d, &q, head, &cols, set, id.clone());
+        sql.push(" AND ")
+            .push(&q.column)
             .push(" = ")
             .bind(expected_version.into());
         if conn.execute(&sql.text, &sql.args).await? > 0 {
             return Ok(VersionedUpdate::Updated(next));
         }
-        match read_latest(conn, &table, &version, &id_col, id).await? {
+        match read_latest(conn, &q, id).await? {
             None => Ok(VersionedUpdate::NotFound),
             Some(SqlValue::I64(v)) => Ok(VersionedUpdate::Stale(v)),
             Some(other) => Err(PatternError::Decode {
