@@ -2,7 +2,9 @@
 //! takes, and the URL left for sqlx (see [`idem_core::url`] for the rules
 //! every store shares).
 
-use idem_core::url::{Param, StoreUrl};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use idem_core::url::Param;
+use idem_core::url::StoreUrl;
 use idem_core::{RedactedUrl, StoreError};
 
 /// A checked `sqlite://` store URL: `sqlite://relative/path.db` or
