@@ -2,9 +2,9 @@
 //! takes, and the URL left for sqlx (see [`idem_core::url`] for the rules
 //! every store shares).
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-use idem_core::url::Param;
 use idem_core::url::StoreUrl;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use idem_core::url::{Param, UrlOptions};
 use idem_core::{RedactedUrl, StoreError};
 
 /// A checked `sqlite://` store URL: `sqlite://relative/path.db` or
@@ -85,26 +85,20 @@ impl crate::PostgresOptions {
     /// repeated or malformed `idem_*` parameter, or a table or schema name
     /// that is not a plain identifier.
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
-        let u = StoreUrl::parse(url)?;
-        if !matches!(u.scheme(), "postgres" | "postgresql") {
-            return Err(u.error("not a PostgreSQL URL; use postgres:// or postgresql://"));
-        }
-        u.require_base(&[], "server", "name a host")?;
-        let params = u.options("postgres", POSTGRES_PARAMS)?;
-        let table = params.text("idem_table");
+        let postgres = ServerUrl {
+            schemes: &["postgres", "postgresql"],
+            driver_scheme: None,
+            kind: "postgres",
+            params: POSTGRES_PARAMS,
+            other: "not a PostgreSQL URL; use postgres:// or postgresql://",
+        };
+        let params = postgres.read(url)?;
         let schema = params.text("idem_schema");
-        check_name("idem_table", table, crate::common::MAX_TABLE_LEN)?;
         check_name("idem_schema", schema, crate::common::MAX_SCHEMA_LEN)?;
         let mut o = Self::new(params.driver_url().expose());
-        if let Some(table) = table {
-            o = o.with_table(table);
-        }
-        if let Some(schema) = schema {
-            o = o.with_schema(schema);
-        }
-        if let Some(migrate) = params.flag("idem_migrate") {
-            o = o.with_migrate(migrate);
-        }
+        o.table = params.text("idem_table").map_or(o.table, str::to_owned);
+        o.schema = schema.map_or(o.schema, str::to_owned);
+        o.migrate = params.flag("idem_migrate").unwrap_or(o.migrate);
         Ok(o)
     }
 }
@@ -129,22 +123,53 @@ impl crate::MySqlOptions {
     /// repeated or malformed `idem_*` parameter, or a table name that is not
     /// a plain identifier.
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
-        let u = StoreUrl::parse(url)?;
-        if !matches!(u.scheme(), "mysql" | "mariadb") {
-            return Err(u.error("not a MySQL URL; use mysql:// or mariadb://"));
+        let mysql = ServerUrl {
+            schemes: &["mysql", "mariadb"],
+            driver_scheme: Some("mysql"),
+            kind: "mysql",
+            params: MYSQL_PARAMS,
+            other: "not a MySQL URL; use mysql:// or mariadb://",
+        };
+        let params = mysql.read(url)?;
+        let mut o = Self::new(params.driver_url().expose());
+        o.table = params.text("idem_table").map_or(o.table, str::to_owned);
+        o.migrate = params.flag("idem_migrate").unwrap_or(o.migrate);
+        Ok(o)
+    }
+}
+
+/// How a SQL server's store URL is read.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+struct ServerUrl {
+    /// The schemes it accepts (lower case).
+    schemes: &'static [&'static str],
+    /// The scheme the driver URL gets, when not the one given.
+    driver_scheme: Option<&'static str>,
+    /// The store's name in messages.
+    kind: &'static str,
+    /// Its `idem_*` parameters; `idem_table` among them.
+    params: &'static [Param],
+    /// The message for a URL of another scheme.
+    other: &'static str,
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl ServerUrl {
+    /// Checks the scheme, that a server is named, the parameters and the
+    /// table name.
+    fn read(&self, url: &str) -> Result<UrlOptions, StoreError> {
+        let mut u = StoreUrl::parse(url)?;
+        if !self.schemes.contains(&u.scheme()) {
+            return Err(u.error(self.other));
         }
         u.require_base(&[], "server", "name a host")?;
-        let params = u.with_scheme("mysql").options("mysql", MYSQL_PARAMS)?;
+        if let Some(scheme) = self.driver_scheme {
+            u = u.with_scheme(scheme);
+        }
+        let params = u.options(self.kind, self.params)?;
         let table = params.text("idem_table");
         check_name("idem_table", table, crate::common::MAX_TABLE_LEN)?;
-        let mut o = Self::new(params.driver_url().expose());
-        if let Some(table) = table {
-            o = o.with_table(table);
-        }
-        if let Some(migrate) = params.flag("idem_migrate") {
-            o = o.with_migrate(migrate);
-        }
-        Ok(o)
+        Ok(params)
     }
 }
 
