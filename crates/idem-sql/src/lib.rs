@@ -45,6 +45,7 @@ mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod sqlite;
+pub mod url;
 
 pub mod patterns;
 
