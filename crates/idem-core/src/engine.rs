@@ -1,8 +1,6 @@
 //! The engine: run any async operation at most once per scoped key.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -58,16 +56,31 @@ pub struct EngineConfig {
     pub save_retry: Duration,
 }
 
+/// [`EngineConfig::lease`]'s default: 30 s.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// [`EngineConfig::ttl`]'s default: 24 h.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
+/// [`EngineConfig::wait`]'s default: 0 (a duplicate is answered at once).
+pub const DEFAULT_WAIT: Duration = Duration::ZERO;
+/// [`EngineConfig::watchdog`]'s default: on.
+pub const DEFAULT_WATCHDOG: bool = true;
+/// [`EngineConfig::on_cancel`]'s default: [`Action::Hold`].
+pub const DEFAULT_ON_CANCEL: Action = Action::Hold;
+/// [`EngineConfig::save_wait`]'s default: 2 s.
+pub const DEFAULT_SAVE_WAIT: Duration = Duration::from_secs(2);
+/// [`EngineConfig::save_retry`]'s default: 10 min.
+pub const DEFAULT_SAVE_RETRY: Duration = Duration::from_secs(600);
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(24 * 3600),
-            wait: Duration::ZERO,
-            watchdog: true,
-            on_cancel: Action::Hold,
-            save_wait: Duration::from_secs(2),
-            save_retry: Duration::from_secs(600),
+            lease: DEFAULT_LEASE,
+            ttl: DEFAULT_TTL,
+            wait: DEFAULT_WAIT,
+            watchdog: DEFAULT_WATCHDOG,
+            on_cancel: DEFAULT_ON_CANCEL,
+            save_wait: DEFAULT_SAVE_WAIT,
+            save_retry: DEFAULT_SAVE_RETRY,
         }
     }
 }
@@ -214,100 +227,91 @@ impl<S: Store + Clone> Engine<S> {
             Begin::Mismatch => return Ok(Outcome::Mismatch),
         };
         let fence = lease.fence;
-        let mut guard = ClaimGuard {
-            store: self.store.clone(),
-            lease: Some(lease.clone()),
-            on_cancel: self.config.on_cancel.clone(),
-        };
-        let lost = Arc::new(AtomicBool::new(false));
-        let run = op(lease.clone());
-        // The watchdog runs in this task beside the operation (one timer,
-        // no spawned task per execution): it renews while the operation is
-        // polled and stops when the operation finishes or this future is
-        // dropped. An operation that blocks its thread also blocks renewal.
-        let (value, action) = if self.config.watchdog && !self.config.lease.is_zero() {
-            let renew = watchdog(
-                self.store.clone(),
-                lease.clone(),
-                self.config.lease,
-                lost.clone(),
-            );
-            tokio::pin!(run, renew);
-            tokio::select! {
-                biased;
-                out = &mut run => out,
-                // Only returns once the lease is lost; the operation still
-                // finishes, and saving it then reports `LeaseLost`.
-                () = &mut renew => run.await,
-            }
-        } else {
-            run.await
-        };
-        // From here the guard must not act on drop: saving is short and a
-        // drop now is treated like a failed save (the key is held).
-        guard.lease = None;
-        let current = lease; // the watchdog extends in the store; the fence is what counts
-        let saved = match action {
-            Action::Store(resp) => {
-                let mut saver = Saver {
-                    store: self.store.clone(),
-                    lease: current.clone(),
-                    response: resp,
-                    ttl: self.config.ttl,
-                    lease_for: self.config.lease,
-                    strikes: 0,
-                    delay: Duration::from_millis(20),
-                };
-                let wait = tokio::time::Instant::now() + self.config.save_wait;
-                match saver.run_until(wait).await {
-                    Ok(saved) => saved,
-                    Err(e) => {
-                        if self.config.save_retry.is_zero() {
-                            tracing::error!(key = %key, fence, error = %e, "saving the result failed; the key is held until its lease ends");
-                            return Ok(Outcome::Executed {
-                                value,
-                                fence,
-                                saved: Saved::Failed(e),
-                            });
-                        }
-                        tracing::error!(key = %key, fence, error = %e, "saving the result failed; still retrying in the background while the lease is kept alive");
-                        let until = tokio::time::Instant::now() + self.config.save_retry;
-                        let key = key.clone();
-                        tokio::spawn(async move {
-                            match saver.run_until(until).await {
-                                Ok(Saved::Stored) => {
-                                    tracing::info!(key = %key, fence, "the result was saved on a later attempt")
-                                }
-                                Ok(_) => {
-                                    tracing::warn!(key = %key, fence, "the lease was lost before the result could be saved")
-                                }
-                                Err(e) => {
-                                    tracing::error!(key = %key, fence, error = %e, "gave up saving the result; the key frees itself when its lease ends")
-                                }
-                            }
-                        });
-                        Saved::Failed(e)
-                    }
+        let (value, action, lost) = self.run_watched(&lease, op).await;
+        let saved = match self.settle(key, lease, action).await {
+            Settled::Key(saved) => {
+                if lost && !matches!(saved, Saved::LeaseLost) {
+                    tracing::warn!(key = %key, fence, "lease renewal failed while the operation ran");
                 }
+                saved
             }
-            Action::Release => match self.store.release(&current).await {
-                Ok(()) => Saved::Released,
-                Err(StoreError::LeaseLost { .. }) => Saved::LeaseLost,
-                Err(e) => {
-                    tracing::warn!(key = %key, fence, error = %e, "releasing the key failed; it frees itself when its lease ends");
-                    Saved::Failed(e)
-                }
-            },
-            Action::Hold => Saved::Held,
+            Settled::SaveGaveUp(e) => Saved::Failed(e),
         };
-        if lost.load(Ordering::Relaxed) && !matches!(saved, Saved::LeaseLost) {
-            tracing::warn!(key = %key, fence, "lease renewal failed while the operation ran");
-        }
         Ok(Outcome::Executed {
             value,
             fence,
             saved,
         })
+    }
+
+    /// Runs `op` on the claimed `lease` while a watchdog renews it (when
+    /// [`EngineConfig::watchdog`] is on and the lease is above 0). Returns
+    /// the operation's output, its [`Action`], and whether the watchdog
+    /// found the lease lost while it ran.
+    ///
+    /// Dropping this future before `op` finishes applies
+    /// [`EngineConfig::on_cancel`] (through a [`ClaimGuard`]).
+    async fn run_watched<T, F, Fut>(&self, lease: &Lease, op: F) -> (T, Action, bool)
+    where
+        F: FnOnce(Lease) -> Fut,
+        Fut: Future<Output = (T, Action)>,
+    {
+        let mut guard = ClaimGuard {
+            store: self.store.clone(),
+            lease: Some(lease.clone()),
+            on_cancel: self.config.on_cancel.clone(),
+        };
+        let run = op(lease.clone());
+        // The watchdog runs in this task beside the operation (one timer,
+        // no spawned task per execution): it renews while the operation is
+        // polled and stops when the operation finishes or this future is
+        // dropped. An operation that blocks its thread also blocks renewal.
+        let ((value, action), lost) = if self.config.watchdog && !self.config.lease.is_zero() {
+            let renew = watchdog(self.store.clone(), lease.clone(), self.config.lease);
+            tokio::pin!(run, renew);
+            tokio::select! {
+                biased;
+                out = &mut run => (out, false),
+                // Only returns once the lease is lost; the operation still
+                // finishes, and saving it then reports `LeaseLost`.
+                () = &mut renew => (run.await, true),
+            }
+        } else {
+            (run.await, false)
+        };
+        // From here the guard must not act on drop: saving is short and a
+        // drop now is treated like a failed save (the key is held).
+        guard.lease = None;
+        (value, action, lost)
+    }
+
+    /// Applies the run's [`Action`] to its key: saves the result
+    /// ([`ResultSave`]), releases the key, or holds it. The watchdog
+    /// extended the lease in the store; the fence is what counts, so the
+    /// lease as claimed still identifies the run.
+    async fn settle(&self, key: &IdempotencyKey, lease: Lease, action: Action) -> Settled {
+        match action {
+            Action::Store(response) => {
+                ResultSave::new(self.store.clone(), lease, response, &self.config)
+                    .save(key)
+                    .await
+            }
+            Action::Release => Settled::Key(self.release(key, &lease).await),
+            Action::Hold => Settled::Key(Saved::Held),
+        }
+    }
+
+    /// Frees the key after a run that asked for [`Action::Release`].
+    async fn release(&self, key: &IdempotencyKey, lease: &Lease) -> Saved {
+        match self.store.release(lease).await {
+            Ok(()) => Saved::Released,
+            Err(StoreError::LeaseLost { .. }) => Saved::LeaseLost,
+            Err(e) => {
+                let fence = lease.fence;
+                tracing::warn!(key = %key, fence, error = %e, "releasing the key failed; it frees itself when its lease ends");
+                Saved::Failed(e)
+            }
+        }
     }
 
     /// Runs a fallible operation once and replays its JSON-encoded output:
@@ -401,25 +405,116 @@ pub enum OnceError<E> {
     Decode(#[source] serde_json::Error),
 }
 
-/// Saves a result whose first `complete` may fail: retries with backoff,
-/// renews the lease between attempts, and falls back to saving without the
-/// body when the store is reachable but keeps refusing the full result.
+/// Backoff of [`ResultSave`]: the first pause between two attempts (it
+/// doubles after each one, up to [`SAVE_MAX_DELAY`]).
+const SAVE_FIRST_DELAY: Duration = Duration::from_millis(20);
+/// Backoff of [`ResultSave`]: the longest pause between two attempts.
+const SAVE_MAX_DELAY: Duration = Duration::from_secs(1);
+/// Refused `complete`s (while `extend` succeeds) after which [`ResultSave`]
+/// saves the result without its body.
+const SAVE_STRIKES: u32 = 5;
+
+/// The save of a run's result ([`Action::Store`]) and its bounded retry.
+///
+/// 1. While the caller waits, up to [`EngineConfig::save_wait`]: `complete`,
+///    retried with backoff (20 ms doubling to 1 s), the lease renewed with
+///    `extend` between two attempts, so duplicates get `InFlight`, never a
+///    second run.
+/// 2. If every attempt failed: with [`EngineConfig::save_retry`] above 0,
+///    the same attempts go on in a spawned task for up to `save_retry` (the
+///    caller gets [`Saved::Failed`] with the last error); with 0, the save
+///    gives up and the key is held until its lease ends.
+///
+/// Either way it stops early when the lease is lost (another run took the
+/// key over: [`Saved::LeaseLost`]). When the store answers `extend` but
+/// refuses `complete` five times (not timeouts: the result itself is
+/// refused, e.g. too large), the result is saved without its body
+/// (`body_omitted`), so duplicates get a clear refusal instead of a
+/// second run.
 #[derive(Debug)]
-struct Saver<S> {
+struct ResultSave<S> {
     store: S,
     lease: Lease,
     response: StoredResponse,
     ttl: Duration,
     lease_for: Duration,
+    /// How long the caller waits ([`EngineConfig::save_wait`]).
+    wait: Duration,
+    /// How long the background retry goes on ([`EngineConfig::save_retry`]).
+    retry: Duration,
     /// `complete`s refused (not timed out) while `extend` succeeded: the
     /// store is up and refuses the result itself.
     strikes: u32,
+    /// The next pause between two attempts.
     delay: Duration,
 }
 
-impl<S: Store> Saver<S> {
+/// How [`Engine::execute`] settled a run's key.
+#[derive(Debug)]
+enum Settled {
+    /// What happened to the key (also a failed save whose retry goes on in
+    /// the background).
+    Key(Saved),
+    /// The save failed and gave up at once ([`EngineConfig::save_retry`]
+    /// is 0); already logged, and the key is held until its lease ends.
+    SaveGaveUp(StoreError),
+}
+
+impl<S: Store> ResultSave<S> {
+    /// The save of `response` under `lease`, with `config`'s TTL, lease
+    /// length, `save_wait` and `save_retry`.
+    fn new(store: S, lease: Lease, response: StoredResponse, config: &EngineConfig) -> Self {
+        Self {
+            store,
+            lease,
+            response,
+            ttl: config.ttl,
+            lease_for: config.lease,
+            wait: config.save_wait,
+            retry: config.save_retry,
+            strikes: 0,
+            delay: SAVE_FIRST_DELAY,
+        }
+    }
+
+    /// Saves while the caller waits, then hands a failed save to the
+    /// background retry (see the type's doc). `key` names the run in logs.
+    async fn save(mut self, key: &IdempotencyKey) -> Settled {
+        let fence = self.lease.fence;
+        let wait = tokio::time::Instant::now() + self.wait;
+        let e = match self.attempt_until(wait).await {
+            Ok(saved) => return Settled::Key(saved),
+            Err(e) => e,
+        };
+        if self.retry.is_zero() {
+            tracing::error!(key = %key, fence, error = %e, "saving the result failed; the key is held until its lease ends");
+            return Settled::SaveGaveUp(e);
+        }
+        tracing::error!(key = %key, fence, error = %e, "saving the result failed; still retrying in the background while the lease is kept alive");
+        self.retry_in_background(key.clone(), fence);
+        Settled::Key(Saved::Failed(e))
+    }
+
+    /// Spawns the attempts for up to [`Self::retry`] more; logs how they end.
+    fn retry_in_background(mut self, key: IdempotencyKey, fence: u64) {
+        let until = tokio::time::Instant::now() + self.retry;
+        tokio::spawn(async move {
+            match self.attempt_until(until).await {
+                Ok(Saved::Stored) => {
+                    tracing::info!(key = %key, fence, "the result was saved on a later attempt")
+                }
+                Ok(_) => {
+                    tracing::warn!(key = %key, fence, "the lease was lost before the result could be saved")
+                }
+                Err(e) => {
+                    tracing::error!(key = %key, fence, error = %e, "gave up saving the result; the key frees itself when its lease ends")
+                }
+            }
+        });
+    }
+
     /// Tries until saved, the lease is lost, or `until` passes (then the last error).
-    async fn run_until(&mut self, until: tokio::time::Instant) -> Result<Saved, StoreError> {
+    async fn attempt_until(&mut self, until: tokio::time::Instant) -> Result<Saved, StoreError> {
         loop {
             let err = match self
                 .store
@@ -438,7 +533,7 @@ impl<S: Store> Saver<S> {
                     if !matches!(err, StoreError::Timeout { .. }) {
                         self.strikes += 1;
                     }
-                    if self.strikes >= 5 && !self.response.body_omitted {
+                    if self.strikes >= SAVE_STRIKES && !self.response.body_omitted {
                         tracing::error!(key = %self.lease.key, error = %err, body_bytes = self.response.body.len(), "the store keeps refusing this result; saving it without its body");
                         self.response.body = bytes::Bytes::new();
                         self.response.body_omitted = true;
@@ -453,22 +548,20 @@ impl<S: Store> Saver<S> {
                 return Err(err);
             }
             tokio::time::sleep(self.delay).await;
-            self.delay = (self.delay * 2).min(Duration::from_secs(1));
+            self.delay = (self.delay * 2).min(SAVE_MAX_DELAY);
         }
     }
 }
 
-/// Renews the lease every third of its length until aborted or lost.
-async fn watchdog<S: Store>(store: S, mut lease: Lease, every: Duration, lost: Arc<AtomicBool>) {
+/// Renews the lease every third of its length; returns only once the lease
+/// is lost (dropping the future stops it).
+async fn watchdog<S: Store>(store: S, mut lease: Lease, every: Duration) {
     let period = (every / 3).max(Duration::from_millis(1));
     loop {
         tokio::time::sleep(period).await;
         match store.extend(&lease, every).await {
             Ok(l) => lease = l,
-            Err(StoreError::LeaseLost { .. }) => {
-                lost.store(true, Ordering::Relaxed);
-                return;
-            }
+            Err(StoreError::LeaseLost { .. }) => return,
             // A transient failure: try again next period; the lease may still hold.
             Err(e) => tracing::warn!(key = %lease.key, error = %e, "lease renewal failed"),
         }

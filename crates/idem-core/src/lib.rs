@@ -32,7 +32,11 @@ pub mod token;
 pub mod url;
 
 pub use clock::{duration_ms, Clock, ManualClock, Millis, SharedClock, SystemClock};
-pub use engine::{Action, Engine, EngineConfig, Once, OnceError, Outcome, Saved};
+pub use engine::{
+    Action, Engine, EngineConfig, Once, OnceError, Outcome, Saved, DEFAULT_LEASE,
+    DEFAULT_ON_CANCEL, DEFAULT_SAVE_RETRY, DEFAULT_SAVE_WAIT, DEFAULT_TTL, DEFAULT_WAIT,
+    DEFAULT_WATCHDOG,
+};
 pub use error::{BoxError, KeyError, Phase, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, Scope, MAX_KEY_LEN};

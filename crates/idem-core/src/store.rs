@@ -164,8 +164,15 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError>;
 
     /// Removes expired records (completed past `expires_at`, in progress past
-    /// their lease). Returns how many were removed. Stores that expire
-    /// records by themselves (Redis) return 0.
+    /// their lease). Returns how many were removed.
+    ///
+    /// An expired record already reads as absent; this frees its space.
+    /// Nothing in this crate calls it: the gateway does every
+    /// `GatewayConfig::purge_interval` (60 s), a library user calls it on a
+    /// timer of their own. Until then the SQL stores keep expired rows, the
+    /// Redis store's records also drop by themselves after its
+    /// `keep_expired`, and [`crate::MemoryStore`] evicts expired records
+    /// when it needs room.
     ///
     /// # Errors
     /// Availability errors.

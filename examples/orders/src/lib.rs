@@ -52,6 +52,12 @@ use idem_sql::LeaseLockBackend;
 pub use db::{status, CreateOutcome, Db, Fenced, Order, Orders};
 pub use provider::{provider_key, Charge, ChargeOutcome, Provider, Simulate};
 
+/// The workspace README's Rust snippets, compiled as doc tests of this crate
+/// (whose dependencies cover them): `cargo test --doc -p orders`.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeSnippets;
+
 /// Largest accepted amount, in cents (1 000 000.00).
 pub const MAX_AMOUNT_CENTS: i64 = 100_000_000;
 /// Longest accepted `outer_order_no`, in characters.
