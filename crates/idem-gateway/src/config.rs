@@ -913,6 +913,7 @@ mod tests {
         assert!(parse(&[]).is_err(), "--upstream is required");
     }
 
+    #[cfg(all(feature = "postgres", feature = "mysql", feature = "redis"))]
     #[test]
     fn cross_checks() {
         let g = |extra: &[&str]| {
@@ -977,6 +978,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "postgres")]
     #[test]
     fn debug_hides_the_store_password() {
         let cli = parse(&[
