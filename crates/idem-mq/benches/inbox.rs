@@ -16,12 +16,14 @@
 //! in a second run (a duplicate: the inbox skips it with a rollback, the
 //! plain consumer credits again, so that run is not like for like).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use async_trait::async_trait;
-use idem_mq::inbox::{Inbox, InboxOptions};
 use idem_mq::{BoxError, Message, MessageKey, Outcome, Processor, SqlInbox, TxHandler};
 use sqlx::Transaction;
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 
 struct Credit {
     table: String,
@@ -113,17 +115,6 @@ async fn measure<P: Processor>(p: &P, msgs: &[Message]) -> f64 {
     msgs.len() as f64 / start.elapsed().as_secs_f64()
 }
 
-fn suffix() -> String {
-    format!(
-        "{:x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-            & 0xffff_ffff_ffff
-    )
-}
-
 fn row(db: &str, load: &str, plain: f64, inbox: f64) {
     println!(
         "{db:<11} {load:<16} {plain:>14.0} {inbox:>14.0} {:>8.2}",
@@ -167,17 +158,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 macro_rules! sides {
     ($pool:expr, $credits:literal) => {{
         let pool = $pool;
-        let t = format!("credits_{}", suffix());
-        sqlx::query(&format!($credits, t))
-            .execute(&pool)
-            .await
-            .unwrap();
-        let inbox = Inbox::with_options(
-            pool.clone(),
-            InboxOptions::default().with_table(format!("{t}_inbox")),
-        )
-        .unwrap();
-        inbox.migrate().await.unwrap();
+        let (t, inbox) = common::inbox_on!(pool.clone(), $credits);
         let with = SqlInbox::new(inbox, Credit { table: t.clone() });
         let without = Plain {
             pool: pool.clone(),
@@ -188,18 +169,8 @@ macro_rules! sides {
 }
 
 async fn sqlite(n: usize) {
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
     let dir = tempfile::tempdir().unwrap();
-    let opts = SqliteConnectOptions::new()
-        .filename(dir.path().join("bench.db"))
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal)
-        .busy_timeout(Duration::from_secs(10));
-    let pool = SqlitePoolOptions::new()
-        .max_connections(4)
-        .connect_with(opts)
-        .await
-        .unwrap();
+    let pool = common::sqlite_pool(&dir.path().join("bench.db")).await;
     let (_, _, without, with) = sides!(
         pool,
         "CREATE TABLE {} (payment_id TEXT, cents INTEGER NOT NULL)"

@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::BoxError;
-use idem_mq::inbox::{Inbox, InboxOptions};
 use idem_mq::{
     Dedup, DedupOptions, Message, MessageHandler, MessageKey, Outcome, Processor, Report, SqlInbox,
     TxHandler,
@@ -206,32 +205,36 @@ impl<S: idem_core::Store + Send + Sync + 'static> Ledger for Dedup<S, CountingCr
     async fn cleanup(&self) {}
 }
 
-/// A ledger's credits table `credits_<random>` (made by `$credits`, `{}` the
-/// name) and its inbox `<credits>_inbox`, migrated, on `$pool`.
-macro_rules! sql_ledger_on {
+/// A credits table `credits_<random>` (made by `$credits`, `{}` the name)
+/// and its inbox `<credits>_inbox`, migrated, on `$pool`: `(table, inbox)`.
+#[allow(unused_macros)]
+macro_rules! inbox_on {
     ($pool:expr, $credits:literal) => {{
         let pool = $pool;
-        let table = format!("credits_{}", suffix());
+        let table = format!("credits_{}", $crate::common::suffix());
         sqlx::query(&format!($credits, table))
             .execute(&pool)
             .await
             .unwrap();
-        let inbox = Inbox::with_options(
+        let inbox = idem_mq::inbox::Inbox::with_options(
             pool,
-            InboxOptions::default().with_table(format!("{table}_inbox")),
+            idem_mq::inbox::InboxOptions::default().with_table(format!("{table}_inbox")),
         )
         .unwrap();
         inbox.migrate().await.unwrap();
-        SqlInbox::new(inbox, Credit::new(table))
+        (table, inbox)
     }};
 }
+#[allow(unused_imports)]
+pub(crate) use inbox_on;
 
 pub async fn sqlite_ledger() -> SqliteLedger {
     let dir = Box::leak(Box::new(tempfile::tempdir().expect("tempdir")));
-    sql_ledger_on!(
+    let (table, inbox) = inbox_on!(
         sqlite_pool(&dir.path().join("ledger.db")).await,
         "CREATE TABLE {} (payment_id TEXT NOT NULL, cents INTEGER NOT NULL)"
-    )
+    );
+    SqlInbox::new(inbox, Credit::new(table))
 }
 
 /// A pool of 4 on the SQLite file `path` (created), WAL, 10 s busy timeout.
@@ -267,10 +270,11 @@ pub async fn pg_pool() -> sqlx::PgPool {
 }
 
 pub async fn pg_ledger() -> PgLedger {
-    sql_ledger_on!(
+    let (table, inbox) = inbox_on!(
         pg_pool().await,
         "CREATE TABLE {} (payment_id TEXT NOT NULL, cents BIGINT NOT NULL)"
-    )
+    );
+    SqlInbox::new(inbox, Credit::new(table))
 }
 
 pub async fn redis_store() -> idem_redis::RedisStore {
