@@ -53,25 +53,22 @@ async fn my() -> My {
     }
 }
 
-pc::pattern_checks!(server: my(), done);
-
-/// 16 REPEATABLE READ transactions, each with its snapshot taken (a plain
-/// read of the table) before the race: the losers' plain reads could not
-/// see the winner's row; the locking read does.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn insert_or_get_16_repeatable_read_transactions() {
-    let b = my().await;
-    pc::insert_or_get_race(&b, |pool, t| async move {
+pc::pattern_checks!(
+    server: my(),
+    done,
+    transactions:
+    /// 16 REPEATABLE READ transactions, each with its snapshot taken (a plain
+    /// read of the table) before the race: the losers' plain reads could not
+    /// see the winner's row; the locking read does.
+    insert_or_get_16_repeatable_read_transactions = |pool, t| async move {
         let mut tx = pool.begin().await.expect("begin");
         let _: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
             .fetch_one(&mut *tx)
             .await
             .expect("snapshot");
         Some(tx)
-    })
-    .await;
-    done(b).await;
-}
+    }
+);
 
 /// REPEATABLE READ transaction with a stale snapshot: a plain SELECT still
 /// says `pending`, but the transition answers `Conflict(completed)` (the

@@ -32,17 +32,14 @@ async fn pg() -> Pg {
     }
 }
 
-pc::pattern_checks!(server: pg(), done);
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn insert_or_get_16_read_committed_transactions() {
-    let b = pg().await;
-    pc::insert_or_get_race(&b, |pool, _| async move {
+pc::pattern_checks!(
+    server: pg(),
+    done,
+    transactions:
+    insert_or_get_16_read_committed_transactions = |pool, _| async move {
         Some(pool.begin().await.expect("begin"))
-    })
-    .await;
-    done(b).await;
-}
+    }
+);
 
 /// Starts a REPEATABLE READ transaction and reads row `id` (taking the
 /// snapshot); returns it with the state it saw.

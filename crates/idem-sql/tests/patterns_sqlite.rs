@@ -23,18 +23,17 @@ async fn sqlite() -> Sqlite {
     }
 }
 
-pc::pattern_checks!(sqlite(), pc::close);
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn insert_or_get_16_transactions() {
-    // Deferred transactions, opened before the start line (an IMMEDIATE
-    // one would take the write lock there, before its task runs); with no
-    // read before the insert, no snapshot can go stale.
-    pc::insert_or_get_race(&sqlite().await, |pool, _| async move {
+pc::pattern_checks!(
+    sqlite(),
+    pc::close,
+    transactions:
+    /// Deferred transactions, opened before the start line (an IMMEDIATE
+    /// one would take the write lock there, before its task runs); with no
+    /// read before the insert, no snapshot can go stale.
+    insert_or_get_16_transactions = |pool, _| async move {
         Some(pool.begin().await.expect("begin"))
-    })
-    .await;
-}
+    }
+);
 
 #[test]
 fn bad_identifiers() {

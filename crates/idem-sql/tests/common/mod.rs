@@ -469,6 +469,36 @@ struct Flights {
     last_seen: Option<Instant>,
 }
 
+/// Copies `from` to `to` until either ends, noting in `flights` when bytes
+/// passed (and, `up` = client → server, when a client flight began); shuts
+/// `to` down at the end.
+async fn pump(
+    from: &mut tokio::net::tcp::OwnedReadHalf,
+    to: &mut tokio::net::tcp::OwnedWriteHalf,
+    flights: Arc<Mutex<Flights>>,
+    up: bool,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        {
+            let mut g = flights.lock().expect("lock");
+            g.last_seen = Some(Instant::now());
+            if up && !g.client_last {
+                g.starts.push(Instant::now());
+            }
+            g.client_last = up;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
+
 impl RoundTripProxy {
     /// Proxies to `upstream` (host:port).
     pub async fn start(upstream: String) -> Self {
@@ -487,48 +517,8 @@ impl RoundTripProxy {
                 tokio::spawn(async move {
                     let (mut cr, mut cw) = client.into_split();
                     let (mut sr, mut sw) = server.into_split();
-                    let up = {
-                        let f = f.clone();
-                        async move {
-                            let mut buf = vec![0u8; 64 * 1024];
-                            loop {
-                                let n = match cr.read(&mut buf).await {
-                                    Ok(0) | Err(_) => break,
-                                    Ok(n) => n,
-                                };
-                                {
-                                    let mut g = f.lock().expect("lock");
-                                    g.last_seen = Some(Instant::now());
-                                    if !g.client_last {
-                                        g.client_last = true;
-                                        g.starts.push(Instant::now());
-                                    }
-                                }
-                                if sw.write_all(&buf[..n]).await.is_err() {
-                                    break;
-                                }
-                            }
-                            let _ = sw.shutdown().await;
-                        }
-                    };
-                    let down = async move {
-                        let mut buf = vec![0u8; 64 * 1024];
-                        loop {
-                            let n = match sr.read(&mut buf).await {
-                                Ok(0) | Err(_) => break,
-                                Ok(n) => n,
-                            };
-                            {
-                                let mut g = f.lock().expect("lock");
-                                g.client_last = false;
-                                g.last_seen = Some(Instant::now());
-                            }
-                            if cw.write_all(&buf[..n]).await.is_err() {
-                                break;
-                            }
-                        }
-                        let _ = cw.shutdown().await;
-                    };
+                    let up = pump(&mut cr, &mut sw, f.clone(), true);
+                    let down = pump(&mut sr, &mut cw, f, false);
                     tokio::join!(up, down);
                 });
             }

@@ -127,8 +127,20 @@ where
 
 /// Writes, at the call site, the `#[tokio::test]`s every database runs:
 /// `$open` is an async expression giving a [`Db`], `$done` an async
-/// function that takes it back at the end (dropping its tables).
+/// function that takes it back at the end (dropping its tables);
+/// `transactions` names the 16-transactions race and gives its `begin`
+/// (see [`insert_or_get_race`]).
 macro_rules! pattern_checks {
+    ($open:expr, $done:expr, transactions: $(#[$doc:meta])* $tx_name:ident = $begin:expr) => {
+        $(#[$doc])*
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn $tx_name() {
+            let b = $open.await;
+            $crate::patterns_common::insert_or_get_race(&b, $begin).await;
+            $done(b).await;
+        }
+        $crate::patterns_common::pattern_checks!($open, $done);
+    };
     ($open:expr, $done:expr) => {
         $crate::patterns_common::pattern_checks!(@test i2_concurrent_transitions_one_winner,
             (flavor = "multi_thread", worker_threads = 4), $open, $done,
@@ -148,8 +160,9 @@ macro_rules! pattern_checks {
     };
     // The servers' checks: the above, and waiters behind a transaction that
     // inserts the key and rolls back.
-    (server: $open:expr, $done:expr) => {
-        $crate::patterns_common::pattern_checks!($open, $done);
+    (server: $open:expr, $done:expr, transactions: $(#[$doc:meta])* $tx_name:ident = $begin:expr) => {
+        $crate::patterns_common::pattern_checks!($open, $done,
+            transactions: $(#[$doc])* $tx_name = $begin);
         $crate::patterns_common::pattern_checks!(@test insert_or_get_after_holder_rolls_back,
             (flavor = "multi_thread", worker_threads = 4), $open, $done,
             |b| $crate::patterns_common::insert_or_get_after_rollback(&b));

@@ -48,13 +48,23 @@ pub fn pool_options<DB: sqlx::Database>(max: u32) -> sqlx::pool::PoolOptions<DB>
         .acquire_timeout(Duration::from_secs(10))
 }
 
+/// A pool with `opts` on the server `what` at `url`, or the test fails
+/// naming `start`.
+async fn pool_at<DB: sqlx::Database>(
+    opts: sqlx::pool::PoolOptions<DB>,
+    what: &str,
+    url: &str,
+    start: &str,
+) -> sqlx::Pool<DB> {
+    opts.connect(url)
+        .await
+        .unwrap_or_else(|e| connect_failed(what, url, &e, start))
+}
+
 /// A pool on the PostgreSQL server, with `opts`.
 #[cfg(feature = "postgres")]
 pub async fn pg_pool_with(opts: sqlx::postgres::PgPoolOptions) -> sqlx::PgPool {
-    let url = pg_url();
-    opts.connect(&url)
-        .await
-        .unwrap_or_else(|e| connect_failed("PostgreSQL", &url, &e, START_PG))
+    pool_at(opts, "PostgreSQL", &pg_url(), START_PG).await
 }
 
 /// A pool of `max` connections on the PostgreSQL server.
@@ -66,10 +76,7 @@ pub async fn pg_pool(max: u32) -> sqlx::PgPool {
 /// A pool on the MySQL / MariaDB server, with `opts`.
 #[cfg(feature = "mysql")]
 pub async fn my_pool_with(opts: sqlx::mysql::MySqlPoolOptions) -> sqlx::MySqlPool {
-    let url = my_url();
-    opts.connect(&url)
-        .await
-        .unwrap_or_else(|e| connect_failed("MySQL/MariaDB", &url, &e, START_MY))
+    pool_at(opts, "MySQL/MariaDB", &my_url(), START_MY).await
 }
 
 /// A pool of `max` connections on the MySQL / MariaDB server.
