@@ -57,8 +57,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 pub use faulty::{Fault, FaultyStore};
-pub use kept::KeptHarness;
 use idem_core::{ManualClock, MemoryLimits, MemoryStore};
+pub use kept::KeptHarness;
 
 /// What the suite needs from a store under test: the store, and a way to let
 /// time pass without the check sleeping when the store's clock can be moved.
