@@ -16,52 +16,47 @@
 //! in a second run (a duplicate: the inbox skips it with a rollback, the
 //! plain consumer credits again, so that run is not like for like).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use async_trait::async_trait;
-use idem_mq::inbox::{Inbox, InboxOptions};
 use idem_mq::{BoxError, Message, MessageKey, Outcome, Processor, SqlInbox, TxHandler};
 use sqlx::Transaction;
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 
 struct Credit {
     table: String,
 }
 
-#[async_trait]
-impl TxHandler<sqlx::Sqlite> for Credit {
-    async fn handle(
-        &self,
-        tx: &mut Transaction<'static, sqlx::Sqlite>,
-        msg: &Message,
-    ) -> Result<(), BoxError> {
-        sqlx::query(&format!(
-            "INSERT INTO {} (payment_id, cents) VALUES (?1, 500)",
-            self.table
-        ))
-        .bind(msg.key.as_ref().map(|k| k.raw_id().to_owned()))
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
-    }
+/// `impl TxHandler<$db> for Credit`: `$insert` credits the message's id.
+macro_rules! credit {
+    ($db:ty, $insert:literal) => {
+        #[async_trait]
+        impl TxHandler<$db> for Credit {
+            async fn handle(
+                &self,
+                tx: &mut Transaction<'static, $db>,
+                msg: &Message,
+            ) -> Result<(), BoxError> {
+                sqlx::query(&format!($insert, self.table))
+                    .bind(msg.key.as_ref().map(|k| k.raw_id().to_owned()))
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }
+        }
+    };
 }
 
-#[async_trait]
-impl TxHandler<sqlx::Postgres> for Credit {
-    async fn handle(
-        &self,
-        tx: &mut Transaction<'static, sqlx::Postgres>,
-        msg: &Message,
-    ) -> Result<(), BoxError> {
-        sqlx::query(&format!(
-            "INSERT INTO {} (payment_id, cents) VALUES ($1, 500)",
-            self.table
-        ))
-        .bind(msg.key.as_ref().map(|k| k.raw_id().to_owned()))
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
-    }
-}
+credit!(
+    sqlx::Sqlite,
+    "INSERT INTO {} (payment_id, cents) VALUES (?1, 500)"
+);
+credit!(
+    sqlx::Postgres,
+    "INSERT INTO {} (payment_id, cents) VALUES ($1, 500)"
+);
 
 /// The same handler in a plain transaction: no dedup.
 struct Plain<DB: sqlx::Database> {
@@ -120,17 +115,6 @@ async fn measure<P: Processor>(p: &P, msgs: &[Message]) -> f64 {
     msgs.len() as f64 / start.elapsed().as_secs_f64()
 }
 
-fn suffix() -> String {
-    format!(
-        "{:x}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-            & 0xffff_ffff_ffff
-    )
-}
-
 fn row(db: &str, load: &str, plain: f64, inbox: f64) {
     println!(
         "{db:<11} {load:<16} {plain:>14.0} {inbox:>14.0} {:>8.2}",
@@ -169,37 +153,28 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The two sides on `$pool`, sharing one credits table (made by
+/// `$credits`, `{}` its name): `(pool, table, without, with)`.
+macro_rules! sides {
+    ($pool:expr, $credits:literal) => {{
+        let pool = $pool;
+        let (t, inbox) = common::inbox_on!(pool.clone(), $credits);
+        let with = SqlInbox::new(inbox, Credit { table: t.clone() });
+        let without = Plain {
+            pool: pool.clone(),
+            handler: Credit { table: t.clone() },
+        };
+        (pool, t, without, with)
+    }};
+}
+
 async fn sqlite(n: usize) {
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
     let dir = tempfile::tempdir().unwrap();
-    let opts = SqliteConnectOptions::new()
-        .filename(dir.path().join("bench.db"))
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal)
-        .busy_timeout(Duration::from_secs(10));
-    let pool = SqlitePoolOptions::new()
-        .max_connections(4)
-        .connect_with(opts)
-        .await
-        .unwrap();
-    let t = format!("credits_{}", suffix());
-    sqlx::query(&format!(
-        "CREATE TABLE {t} (payment_id TEXT, cents INTEGER NOT NULL)"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let inbox = Inbox::with_options(
-        pool.clone(),
-        InboxOptions::default().with_table(format!("{t}_inbox")),
-    )
-    .unwrap();
-    inbox.migrate().await.unwrap();
-    let with = SqlInbox::new(inbox, Credit { table: t.clone() });
-    let without = Plain {
+    let pool = common::sqlite_pool(&dir.path().join("bench.db")).await;
+    let (_, _, without, with) = sides!(
         pool,
-        handler: Credit { table: t },
-    };
+        "CREATE TABLE {} (payment_id TEXT, cents INTEGER NOT NULL)"
+    );
     // Warm up, then interleave the two sides.
     compare("SQLite", &without, &with, n).await;
 }
@@ -217,24 +192,10 @@ async fn postgres(n: usize) {
                  pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
             )
         });
-    let t = format!("credits_{}", suffix());
-    sqlx::query(&format!(
-        "CREATE TABLE {t} (payment_id TEXT, cents BIGINT NOT NULL)"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let inbox = Inbox::with_options(
-        pool.clone(),
-        InboxOptions::default().with_table(format!("{t}_inbox")),
-    )
-    .unwrap();
-    inbox.migrate().await.unwrap();
-    let with = SqlInbox::new(inbox, Credit { table: t.clone() });
-    let without = Plain {
-        pool: pool.clone(),
-        handler: Credit { table: t.clone() },
-    };
+    let (pool, t, without, with) = sides!(
+        pool,
+        "CREATE TABLE {} (payment_id TEXT, cents BIGINT NOT NULL)"
+    );
     compare("PostgreSQL", &without, &with, n).await;
     for table in [format!("{t}_inbox"), t] {
         sqlx::query(&format!("DROP TABLE {table}"))

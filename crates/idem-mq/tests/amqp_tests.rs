@@ -13,11 +13,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use common::{
-    eventually, payment, pg_ledger, redis_ledger, sqlite_ledger, suffix, Counted, Ledger,
+    eventually, payment, per_ledger, pg_ledger, sqlite_ledger, suffix, Broker, Counted, Ledger,
 };
 use idem_mq::amqp::{message_of, AmqpConsumer, AmqpOptions};
-use idem_mq::{MessageKey, MissingIdPolicy, Outcome, Processor, Report};
+use idem_mq::{MissingIdPolicy, Outcome, Report};
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
     QueueDeleteOptions,
@@ -29,6 +30,28 @@ struct Rabbit {
     conn: Connection,
     ch: Channel,
     queue: String,
+}
+
+#[async_trait]
+impl Broker for Rabbit {
+    async fn publish(&self, id: Option<&str>, payment_id: &str) {
+        let mut props = BasicProperties::default();
+        if let Some(id) = id {
+            props = props.with_message_id(id.into());
+        }
+        self.ch
+            .basic_publish(
+                "",
+                &self.queue,
+                BasicPublishOptions::default(),
+                &payment(payment_id),
+                props,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
 }
 
 impl Rabbit {
@@ -57,25 +80,6 @@ impl Rabbit {
         .await
         .unwrap();
         Self { conn, ch, queue }
-    }
-
-    async fn publish(&self, id: Option<&str>, payment_id: &str) {
-        let mut props = BasicProperties::default();
-        if let Some(id) = id {
-            props = props.with_message_id(id.into());
-        }
-        self.ch
-            .basic_publish(
-                "",
-                &self.queue,
-                BasicPublishOptions::default(),
-                &payment(payment_id),
-                props,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
     }
 
     async fn ready(&self) -> u32 {
@@ -197,45 +201,24 @@ async fn consume<L: Ledger>(
 async fn n_messages_with_duplicates<L: Ledger>(ledger: L) {
     let rabbit = Rabbit::new().await;
     let n = 30;
-    for i in 0..n {
-        rabbit
-            .publish(Some(&format!("pay-{i}")), &format!("pay-{i}"))
-            .await;
-    }
-    for i in (0..n).step_by(3) {
-        rabbit
-            .publish(Some(&format!("pay-{i}")), &format!("pay-{i}"))
-            .await;
-    }
+    common::publish_with_duplicates(&rabbit, n, Duration::ZERO).await;
     let ledger = Arc::new(ledger);
     rabbit
         .crashing_consumer(&*ledger, 8, |k, _| (k < 4).then_some(0))
         .await;
     let report = consume(&rabbit, ledger.clone(), options(), n as u64 + 10, n).await;
-    let effects = ledger.effects().await;
-    assert_eq!(effects.len(), n, "{report:?}");
-    assert!(effects.values().all(|&v| v == 1), "{effects:?}");
-    assert_eq!(report.applied, n as u64 - 4, "{report:?}");
+    common::assert_each_once(&*ledger, &report, n).await;
     assert_eq!(report.duplicates, 14, "{report:?}");
     assert_eq!(rabbit.ready().await, 0, "everything acked");
     ledger.cleanup().await;
     rabbit.delete().await;
 }
 
-#[tokio::test]
-async fn sqlite_inbox_n_messages_with_duplicates() {
-    n_messages_with_duplicates(sqlite_ledger().await).await;
-}
-
-#[tokio::test]
-async fn postgres_inbox_n_messages_with_duplicates() {
-    n_messages_with_duplicates(pg_ledger().await).await;
-}
-
-#[tokio::test]
-async fn redis_dedup_n_messages_with_duplicates() {
-    n_messages_with_duplicates(redis_ledger().await).await;
-}
+per_ledger!(n_messages_with_duplicates:
+    sqlite_inbox_n_messages_with_duplicates = sqlite_ledger,
+    postgres_inbox_n_messages_with_duplicates = pg_ledger,
+    redis_dedup_n_messages_with_duplicates = redis_ledger,
+);
 
 /// H2: committed, then the consumer died before its ack → the redelivery
 /// is skipped and acked. A crash before commit → applied once.
@@ -262,15 +245,10 @@ async fn crash_windows<L: Ledger>(ledger: L) {
     rabbit.delete().await;
 }
 
-#[tokio::test]
-async fn sqlite_inbox_crash_windows() {
-    crash_windows(sqlite_ledger().await).await;
-}
-
-#[tokio::test]
-async fn postgres_inbox_crash_windows() {
-    crash_windows(pg_ledger().await).await;
-}
+per_ledger!(crash_windows:
+    sqlite_inbox_crash_windows = sqlite_ledger,
+    postgres_inbox_crash_windows = pg_ledger,
+);
 
 /// H1: a duplicate among six prefetched deliveries is skipped and acked;
 /// the other five are applied.
@@ -278,20 +256,8 @@ async fn postgres_inbox_crash_windows() {
 async fn h1_duplicate_inside_a_batch_does_not_stall_it() {
     let rabbit = Rabbit::new().await;
     let ledger = Arc::new(pg_ledger().await);
-    let key = MessageKey::new("payments", "pay-3")
-        .unwrap()
-        .with_stream(&rabbit.queue);
-    let earlier = idem_mq::Message {
-        key: Some(key),
-        payload: payment("pay-3"),
-        delivery_attempt: 1,
-    };
-    assert!(matches!(ledger.process(&earlier).await, Outcome::Applied));
-    for i in 0..6 {
-        rabbit
-            .publish(Some(&format!("pay-{i}")), &format!("pay-{i}"))
-            .await;
-    }
+    common::processed_before(&*ledger, &rabbit.queue, "pay-3").await;
+    common::publish_payments(&rabbit, 0..6).await;
     let report = consume(&rabbit, ledger.clone(), options(), 6, 6).await;
     assert_eq!(
         (report.applied, report.duplicates, report.ack_errors),

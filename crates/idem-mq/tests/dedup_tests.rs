@@ -47,23 +47,16 @@ async fn duplicate_is_skipped_and_failure_releases() {
         })
         .await;
     assert!(matches!(r, Err(DedupError::Handler("fail"))));
-    // Released: the redelivery runs.
-    let r = dedup
-        .run(&k, || async {
+    // Released: the redelivery runs; after it, a duplicate does not.
+    let run_ok = |v: i32| {
+        let runs = &runs;
+        dedup.run(&k, move || async move {
             runs.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, &str>(7)
+            Ok::<_, &str>(v)
         })
-        .await
-        .unwrap();
-    assert_eq!(r, DedupOutcome::Applied(7));
-    let r = dedup
-        .run(&k, || async {
-            runs.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, &str>(8)
-        })
-        .await
-        .unwrap();
-    assert_eq!(r, DedupOutcome::Duplicate);
+    };
+    assert_eq!(run_ok(7).await.unwrap(), DedupOutcome::Applied(7));
+    assert_eq!(run_ok(8).await.unwrap(), DedupOutcome::Duplicate);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert!(dedup.is_processed(&k).await.unwrap());
 }

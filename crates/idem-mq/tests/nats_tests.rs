@@ -12,7 +12,8 @@ use std::time::Duration;
 use async_nats::jetstream::{
     self, consumer::pull, consumer::PullConsumer, message::PublishMessage,
 };
-use common::{eventually, payment, pg_ledger, redis_ledger, sqlite_ledger, suffix, Ledger};
+use async_trait::async_trait;
+use common::{eventually, payment, per_ledger, pg_ledger, sqlite_ledger, suffix, Broker, Ledger};
 use futures::StreamExt;
 use idem_mq::nats::{message_of, NatsConsumer, NatsOptions};
 use idem_mq::{MessageKey, MissingIdPolicy, Outcome, Processor, Report};
@@ -23,6 +24,22 @@ struct Js {
     js: jetstream::Context,
     stream: String,
     subject: String,
+}
+
+#[async_trait]
+impl Broker for Js {
+    async fn publish(&self, id: Option<&str>, payment_id: &str) {
+        let mut m = PublishMessage::build().payload(payment(payment_id).into());
+        if let Some(id) = id {
+            m = m.message_id(id);
+        }
+        self.js
+            .send_publish(self.subject.clone(), m)
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
 }
 
 impl Js {
@@ -71,19 +88,6 @@ impl Js {
             .unwrap()
     }
 
-    async fn publish(&self, id: Option<&str>, payment_id: &str) {
-        let mut m = PublishMessage::build().payload(payment(payment_id).into());
-        if let Some(id) = id {
-            m = m.message_id(id);
-        }
-        self.js
-            .send_publish(self.subject.clone(), m)
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-    }
-
     async fn idle(&self, consumer: &PullConsumer) -> bool {
         let mut c = consumer.clone();
         let info = c.info().await.unwrap();
@@ -126,6 +130,15 @@ async fn drain<L: Ledger>(
     }
 }
 
+/// Runs batches until `n` deliveries were received.
+async fn received<P: Processor>(c: &NatsConsumer<P>, n: u64) -> Report {
+    let mut report = Report::default();
+    while report.received < n {
+        report.merge(&c.run_batch().await.unwrap());
+    }
+    report
+}
+
 /// N distinct messages; some ids published again after JetStream's
 /// duplicate window; a consumer that fetched 8 messages, committed 4 of
 /// them, and stopped before acking any → exactly N effects.
@@ -133,15 +146,7 @@ async fn n_messages_with_duplicates<L: Ledger>(ledger: L) {
     let js = Js::new().await;
     let raw = js.consumer("payments", Duration::from_secs(1)).await;
     let n = 30;
-    for i in 0..n {
-        js.publish(Some(&format!("pay-{i}")), &format!("pay-{i}"))
-            .await;
-    }
-    tokio::time::sleep(DUP_WINDOW * 2).await;
-    for i in (0..n).step_by(3) {
-        js.publish(Some(&format!("pay-{i}")), &format!("pay-{i}"))
-            .await;
-    }
+    common::publish_with_duplicates(&js, n, DUP_WINDOW * 2).await;
     let ledger = Arc::new(ledger);
     // The consumer that dies before its acks.
     {
@@ -160,10 +165,7 @@ async fn n_messages_with_duplicates<L: Ledger>(ledger: L) {
     }
     let c = NatsConsumer::new(raw.clone(), ledger.clone(), options(10));
     let report = drain(&js, &c, &raw, n).await;
-    let effects = ledger.effects().await;
-    assert_eq!(effects.len(), n, "{report:?}");
-    assert!(effects.values().all(|&v| v == 1), "{effects:?}");
-    assert_eq!(report.applied, n as u64 - 4, "{report:?}");
+    common::assert_each_once(&*ledger, &report, n).await;
     // 10 re-published ids + the 4 committed-but-unacked redeliveries.
     assert!(report.duplicates >= 14, "{report:?}");
     assert_eq!(report.failed + report.rejected, 0, "{report:?}");
@@ -171,20 +173,11 @@ async fn n_messages_with_duplicates<L: Ledger>(ledger: L) {
     js.delete().await;
 }
 
-#[tokio::test]
-async fn sqlite_inbox_n_messages_with_duplicates() {
-    n_messages_with_duplicates(sqlite_ledger().await).await;
-}
-
-#[tokio::test]
-async fn postgres_inbox_n_messages_with_duplicates() {
-    n_messages_with_duplicates(pg_ledger().await).await;
-}
-
-#[tokio::test]
-async fn redis_dedup_n_messages_with_duplicates() {
-    n_messages_with_duplicates(redis_ledger().await).await;
-}
+per_ledger!(n_messages_with_duplicates:
+    sqlite_inbox_n_messages_with_duplicates = sqlite_ledger,
+    postgres_inbox_n_messages_with_duplicates = pg_ledger,
+    redis_dedup_n_messages_with_duplicates = redis_ledger,
+);
 
 /// H2: committed, then the ack was lost (the consumer stopped) → the
 /// redelivery is recognised, skipped and acked. And a crash before commit
@@ -220,15 +213,10 @@ async fn crash_windows<L: Ledger>(ledger: L) {
     js.delete().await;
 }
 
-#[tokio::test]
-async fn sqlite_inbox_crash_windows() {
-    crash_windows(sqlite_ledger().await).await;
-}
-
-#[tokio::test]
-async fn postgres_inbox_crash_windows() {
-    crash_windows(pg_ledger().await).await;
-}
+per_ledger!(crash_windows:
+    sqlite_inbox_crash_windows = sqlite_ledger,
+    postgres_inbox_crash_windows = pg_ledger,
+);
 
 /// H1: one duplicate inside a batch is skipped and acked; the other five
 /// are applied in the same pull; nothing stays unacked.
@@ -238,24 +226,10 @@ async fn h1_duplicate_inside_a_batch_does_not_stall_it() {
     let raw = js.consumer("payments", Duration::from_secs(30)).await;
     let ledger = Arc::new(pg_ledger().await);
     // pay-3 was processed before (by this consumer, from this stream).
-    let key = MessageKey::new("payments", "pay-3")
-        .unwrap()
-        .with_stream(&js.stream);
-    let earlier = idem_mq::Message {
-        key: Some(key),
-        payload: payment("pay-3"),
-        delivery_attempt: 1,
-    };
-    assert!(matches!(ledger.process(&earlier).await, Outcome::Applied));
-    for i in 0..6 {
-        js.publish(Some(&format!("pay-{i}")), &format!("pay-{i}"))
-            .await;
-    }
+    common::processed_before(&*ledger, &js.stream, "pay-3").await;
+    common::publish_payments(&js, 0..6).await;
     let c = NatsConsumer::new(raw.clone(), ledger.clone(), options(6));
-    let mut report = Report::default();
-    while report.received < 6 {
-        report.merge(&c.run_batch().await.unwrap());
-    }
+    let report = received(&c, 6).await;
     assert_eq!(
         (report.applied, report.duplicates, report.ack_errors),
         (5, 1, 0),
@@ -296,10 +270,7 @@ async fn missing_id_is_terminated_unless_opted_in() {
     let ledger = Arc::new(sqlite_ledger().await);
     js.publish(None, "anon-1").await;
     let c = NatsConsumer::new(raw.clone(), ledger.clone(), options(4));
-    let mut report = Report::default();
-    while report.received < 1 {
-        report.merge(&c.run_batch().await.unwrap());
-    }
+    let report = received(&c, 1).await;
     assert_eq!((report.rejected, report.applied), (1, 0), "{report:?}");
     assert!(
         eventually(Duration::from_secs(10), || js.idle(&raw)).await,
@@ -316,10 +287,7 @@ async fn missing_id_is_terminated_unless_opted_in() {
             ..options(4)
         },
     );
-    let mut report = Report::default();
-    while report.received < 1 {
-        report.merge(&opted.run_batch().await.unwrap());
-    }
+    let report = received(&opted, 1).await;
     assert_eq!(report.applied, 1, "{report:?}");
     assert_eq!(ledger.effects().await.get("anon-2"), Some(&1));
     js.delete().await;
@@ -361,10 +329,7 @@ async fn in_flight_duplicate_is_naked_not_run() {
     };
     js.publish(Some("pay-1"), "pay-1").await;
     let c = NatsConsumer::new(raw.clone(), dedup.clone(), options(4));
-    let mut report = Report::default();
-    while report.received < 1 {
-        report.merge(&c.run_batch().await.unwrap());
-    }
+    let report = received(&c, 1).await;
     assert_eq!((report.in_flight, report.applied), (1, 0), "{report:?}");
     assert!(
         dedup.effects().await.is_empty(),

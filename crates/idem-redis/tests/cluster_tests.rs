@@ -77,18 +77,12 @@ impl Cluster {
             .iter()
             .map(|s| format!("127.0.0.1:{}", s.port))
             .collect();
-        let out = Command::new("redis-cli")
-            .args(["--cluster", "create"])
-            .args(&nodes)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed: {}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        common::run_ok(
+            Command::new("redis-cli")
+                .args(["--cluster", "create"])
+                .args(&nodes)
+                .args(["--cluster-replicas", "0", "--cluster-yes"]),
+            "redis-cli --cluster create",
         );
         let deadline = Instant::now() + Duration::from_secs(30);
         for s in &cluster.servers {
@@ -265,17 +259,7 @@ mod cluster_only {
         for i in 0..6 {
             let key = fresh_key(&format!("wake-{i}"));
             let lease = acquire(&store, &req(&scope, &key, fp("a"), MIN)).await;
-            let waiter = {
-                let (store, scope, key) = (store.clone(), scope.clone(), key.clone());
-                tokio::spawn(async move {
-                    let t = Instant::now();
-                    store
-                        .wait_for_change(&scope, &key, Duration::from_secs(20))
-                        .await
-                        .expect("wait");
-                    t.elapsed()
-                })
-            };
+            let waiter = common::spawn_waiter(&store, &scope, &key);
             tokio::time::sleep(Duration::from_millis(300)).await;
             store
                 .complete(&lease, &response("done"), MIN)

@@ -26,6 +26,18 @@ async fn connect(url: &str) -> RedisLockBackend {
 }
 
 /// The shared server, this run's key prefix; time passes by sleeping.
+/// A 30 s lease on `name`, which must be free.
+async fn acquired(b: &RedisLockBackend, name: &str, what: &str) -> idem_core::lock::LockLease {
+    let TryAcquire::Acquired(lease) = b
+        .try_acquire(name, Duration::from_secs(30))
+        .await
+        .expect(what)
+    else {
+        panic!("fresh name")
+    };
+    lease
+}
+
 struct RedisLockHarness(RedisLockBackend);
 
 #[async_trait]
@@ -56,13 +68,7 @@ mod redis_lock_tests {
     async fn key_layout() {
         let b = connect(&redis_url()).await;
         let name = fresh_name("layout");
-        let TryAcquire::Acquired(lease) = b
-            .try_acquire(&name, Duration::from_secs(30))
-            .await
-            .expect("acquire")
-        else {
-            panic!("fresh name")
-        };
+        let lease = acquired(&b, &name, "acquire").await;
         let (lock, fence) = b.keys(&name);
         assert!(lock.starts_with(&format!("{{{}:lock:", common::run_prefix())));
         let mut c = raw(&redis_url()).await;
@@ -89,13 +95,7 @@ mod redis_lock_tests {
         let flush = || assert_eq!(server.cli(&["script", "flush"]).trim(), "OK");
         let name = fresh_name("flush");
         flush();
-        let TryAcquire::Acquired(lease) = b
-            .try_acquire(&name, Duration::from_secs(30))
-            .await
-            .expect("acquire after flush")
-        else {
-            panic!("fresh name")
-        };
+        let lease = acquired(&b, &name, "acquire after flush").await;
         flush();
         assert!(b
             .extend(&lease, Duration::from_secs(30))

@@ -11,12 +11,12 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{connect, raw, redis_url, shared_store, test_options, Server};
 use idem_core::{Begin, Phase, Record, RecordState, Store, StoreError};
 use idem_redis::RedisStore;
+use idem_testkit::server_checks::{expect_corrupt, race_begins};
 use idem_testkit::support::{
     acquire, expect_in_flight, expect_replay, fp, fresh_key, fresh_scope, get, req, response,
     rich_response,
@@ -29,6 +29,29 @@ idem_testkit::conformance_tests!(redis_tests, || async {
 });
 
 const MIN: Duration = Duration::from_secs(60);
+
+/// `got` is `Unavailable` or `Timeout` in `phase` (a server that is not
+/// there), and came less than `within` after `started`; returns the error.
+fn expect_down<T: std::fmt::Debug>(
+    got: Result<T, StoreError>,
+    phase: Phase,
+    started: Instant,
+    within: Duration,
+) -> StoreError {
+    let e =
+        match got {
+            Err(
+                e @ (StoreError::Unavailable { phase: p, .. } | StoreError::Timeout { phase: p }),
+            ) if p == phase => e,
+            other => panic!("expected Unavailable or Timeout at {phase:?}, got {other:?}"),
+        };
+    assert!(
+        started.elapsed() < within,
+        "gave up after {:?}",
+        started.elapsed()
+    );
+    e
+}
 
 mod redis_only {
     use super::*;
@@ -89,31 +112,8 @@ mod redis_only {
         let b = shared_store().await;
         let (scope, key) = (fresh_scope(), fresh_key("race64"));
         let r = req(&scope, &key, fp("a"), MIN);
-        let barrier = Arc::new(tokio::sync::Barrier::new(64));
-        let tasks: Vec<_> = (0..64)
-            .map(|i| {
-                let store = if i % 2 == 0 { a.clone() } else { b.clone() };
-                let (r, barrier) = (r.clone(), barrier.clone());
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    store.begin(&r).await
-                })
-            })
-            .collect();
-        let (mut acquired, mut in_flight) = (Vec::new(), 0);
-        for t in tasks {
-            match t.await.expect("task").expect("begin") {
-                Begin::Acquired(l) => acquired.push(l),
-                Begin::InFlight { retry_after } => {
-                    assert!(retry_after > Duration::ZERO && retry_after <= MIN);
-                    in_flight += 1;
-                }
-                other => panic!("unexpected {other:?}"),
-            }
-        }
-        assert_eq!(acquired.len(), 1, "one winner: {acquired:?}");
-        assert_eq!(in_flight, 63);
-        b.complete(&acquired[0], &response("won"), MIN)
+        let won = race_begins(&a, &b, &r, 64).await;
+        b.complete(&won, &response("won"), MIN)
             .await
             .expect("complete through the other connection");
         expect_replay(&a, &r, &response("won")).await;
@@ -175,19 +175,7 @@ mod redis_only {
                 .query_async(&mut admin)
                 .await
                 .expect("corrupt the record");
-            match store.begin(&r).await {
-                Err(StoreError::Corrupt {
-                    phase: Phase::Begin,
-                    detail,
-                }) => assert!(!detail.is_empty()),
-                other => panic!("{what}: begin must report Corrupt, got {other:?}"),
-            }
-            match store.get(&scope, &key).await {
-                Err(StoreError::Corrupt {
-                    phase: Phase::Get, ..
-                }) => {}
-                other => panic!("{what}: get must report Corrupt, got {other:?}"),
-            }
+            expect_corrupt(&store, &r, what).await;
             // begin did not overwrite it: still corrupt.
             assert!(store.get(&scope, &key).await.is_err(), "{what}");
             assert!(store.delete(&scope, &key).await.expect("delete"), "{what}");
@@ -211,28 +199,13 @@ mod redis_only {
         )
         .await
         .expect("connect must give up by itself");
-        match got {
-            Err(
-                e @ StoreError::Unavailable {
-                    phase: Phase::Connect,
-                    ..
-                },
-            ) => {
-                assert!(
-                    std::error::Error::source(&e).is_some(),
-                    "keeps the Redis error"
-                );
-            }
-            Err(StoreError::Timeout {
-                phase: Phase::Connect,
-            }) => {}
-            other => panic!("expected Unavailable at connect, got {other:?}"),
+        let e = expect_down(got, Phase::Connect, started, Duration::from_secs(2));
+        if let StoreError::Unavailable { .. } = e {
+            assert!(
+                std::error::Error::source(&e).is_some(),
+                "keeps the Redis error"
+            );
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(2),
-            "gave up after {:?}",
-            started.elapsed()
-        );
         let cluster = RedisStore::connect_with(
             &format!("redis+cluster://127.0.0.1:{port}"),
             test_options().with_connection_timeout(Duration::from_millis(500)),
@@ -266,24 +239,10 @@ mod redis_only {
         server.kill();
         for _ in 0..3 {
             let started = Instant::now();
-            match store
+            let got = store
                 .begin(&req(&scope, &fresh_key("down"), fp("a"), MIN))
-                .await
-            {
-                Err(StoreError::Unavailable {
-                    phase: Phase::Begin,
-                    ..
-                })
-                | Err(StoreError::Timeout {
-                    phase: Phase::Begin,
-                }) => {}
-                other => panic!("a step against a dead server must fail, got {other:?}"),
-            }
-            assert!(
-                started.elapsed() < Duration::from_millis(1500),
-                "took {:?}",
-                started.elapsed()
-            );
+                .await;
+            expect_down(got, Phase::Begin, started, Duration::from_millis(1500));
         }
         let _server = Server::start(port, dir.path(), &[]);
         let key = fresh_key("after");
@@ -460,17 +419,7 @@ mod redis_only {
         for round in 0..2 {
             let lease = acquire(&store, &r).await;
             let waiters: Vec<_> = (0..3)
-                .map(|_| {
-                    let (store, scope, key) = (store.clone(), scope.clone(), key.clone());
-                    tokio::spawn(async move {
-                        let t = Instant::now();
-                        store
-                            .wait_for_change(&scope, &key, Duration::from_secs(20))
-                            .await
-                            .expect("wait");
-                        t.elapsed()
-                    })
-                })
+                .map(|_| common::spawn_waiter(&store, &scope, &key))
                 .collect();
             tokio::time::sleep(Duration::from_millis(300)).await;
             if round == 0 {
@@ -519,12 +468,9 @@ mod redis_only {
             &req(&scope, &key, fp("a"), Duration::from_millis(400)),
         )
         .await;
-        let t = Instant::now();
-        store
-            .wait_for_change(&scope, &key, Duration::from_secs(20))
+        let waited = common::spawn_waiter(&store, &scope, &key)
             .await
-            .expect("wait");
-        let waited = t.elapsed();
+            .expect("waiter");
         assert!(
             waited < Duration::from_millis(1000),
             "woke after {waited:?}"
@@ -580,12 +526,9 @@ mod redis_only {
                 store.complete(&lease, &response("polled"), MIN).await
             })
         };
-        let t = Instant::now();
-        store
-            .wait_for_change(&scope, &key, Duration::from_secs(20))
+        let waited = common::spawn_waiter(&store, &scope, &key)
             .await
-            .expect("wait");
-        let waited = t.elapsed();
+            .expect("waiter");
         assert!(
             waited >= Duration::from_millis(250) && waited < Duration::from_secs(3),
             "woke after {waited:?}"

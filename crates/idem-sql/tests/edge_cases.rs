@@ -15,40 +15,33 @@ use idem_core::lock::{Acquire, Lock};
 use idem_sql::patterns::{InsertOrGet, PatternError, SqlValue, StateMachine, Transition};
 use idem_sql::{LeaseLockBackend, PgAdvisoryLockBackend};
 use idem_testkit::support::random_hex;
+use servers::{my_pool, pg_pool};
 use sqlx::Connection;
 
-fn pg_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-fn my_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+mod servers;
+
+/// Runs `sql` (one or more statements), which must succeed.
+async fn exec<'e, E: sqlx::Executor<'e>>(e: E, sql: &'e str) {
+    sqlx::raw_sql(sql)
+        .execute(e)
+        .await
+        .unwrap_or_else(|err| panic!("{sql}: {err}"));
 }
 
 async fn pg() -> (sqlx::PgPool, String) {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&pg_url())
-        .await
-        .unwrap();
+    let pool = pg_pool(4).await;
     let schema = format!("adv_{}", random_hex(8));
-    sqlx::raw_sql(&format!("CREATE SCHEMA {schema}"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    exec(&pool, &format!("CREATE SCHEMA {schema}")).await;
     (pool, schema)
 }
 
 #[tokio::test]
 async fn pg_huge_from_list_is_a_typed_error() {
     let (pool, s) = pg().await;
-    sqlx::raw_sql(&format!(
+    let create = format!(
         "CREATE TABLE {s}.t (id BIGINT PRIMARY KEY, state TEXT); INSERT INTO {s}.t VALUES (1, 'a')"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    );
+    exec(&pool, &create).await;
     let m = StateMachine::new(&format!("{s}.t"), "id", "state").unwrap();
     let from: Vec<String> = (0..70_000).map(|i| format!("s{i}")).collect();
     let from: Vec<&str> = from.iter().map(String::as_str).collect();
@@ -60,10 +53,7 @@ async fn pg_huge_from_list_is_a_typed_error() {
         .transition(&mut *pool.acquire().await.unwrap(), 1, &["a"], "b")
         .await;
     eprintln!("after: {t:?}");
-    sqlx::raw_sql(&format!("DROP SCHEMA {s} CASCADE"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    exec(&pool, &format!("DROP SCHEMA {s} CASCADE")).await;
     assert!(r.is_err());
     assert_eq!(t.unwrap(), Transition::Transitioned);
 }
@@ -73,12 +63,11 @@ async fn sqlite_huge_from_list_is_a_typed_error() {
     let mut c = sqlx::SqliteConnection::connect("sqlite::memory:")
         .await
         .unwrap();
-    sqlx::raw_sql(
+    exec(
+        &mut c,
         "CREATE TABLE t (id INTEGER PRIMARY KEY, state TEXT); INSERT INTO t VALUES (1,'a')",
     )
-    .execute(&mut c)
-    .await
-    .unwrap();
+    .await;
     let m = StateMachine::new("t", "id", "state").unwrap();
     let from: Vec<String> = (0..40_000).map(|i| format!("s{i}")).collect();
     let from: Vec<&str> = from.iter().map(String::as_str).collect();
@@ -89,18 +78,12 @@ async fn sqlite_huge_from_list_is_a_typed_error() {
 
 #[tokio::test]
 async fn mysql_huge_from_list_is_a_typed_error() {
-    let pool = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(2)
-        .connect(&my_url())
-        .await
-        .unwrap();
+    let pool = my_pool(2).await;
     let t = format!("adv_{}", random_hex(8));
-    sqlx::raw_sql(&format!(
+    let create = format!(
         "CREATE TABLE {t} (id BIGINT PRIMARY KEY, state VARCHAR(20)); INSERT INTO {t} VALUES (1, 'a')"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    );
+    exec(&pool, &create).await;
     let m = StateMachine::new(&t, "id", "state").unwrap();
     let from: Vec<String> = (0..70_000).map(|i| format!("s{i}")).collect();
     let from: Vec<&str> = from.iter().map(String::as_str).collect();
@@ -117,22 +100,16 @@ async fn mysql_huge_from_list_is_a_typed_error() {
         .transition(&mut *pool.acquire().await.unwrap(), 1, &["zzz"], "B")
         .await;
     eprintln!("mysql to 'B' on row 'b': {r3:?}");
-    sqlx::raw_sql(&format!("DROP TABLE {t}"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    exec(&pool, &format!("DROP TABLE {t}")).await;
     assert!(r.is_err());
 }
 
 #[tokio::test]
 async fn pg_aborted_transaction() {
     let (pool, s) = pg().await;
-    sqlx::raw_sql(&format!(
+    exec(&pool, &format!(
         "CREATE TABLE {s}.t (id BIGINT PRIMARY KEY, k TEXT UNIQUE, state TEXT); INSERT INTO {s}.t VALUES (1, 'k1', 'a')"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    )).await;
     let m = StateMachine::new(&format!("{s}.t"), "id", "state").unwrap();
     let ins = InsertOrGet::new(&format!("{s}.t"), "id", "k").unwrap();
     let mut c = pool.acquire().await.unwrap();
@@ -149,10 +126,7 @@ async fn pg_aborted_transaction() {
     eprintln!("insert_or_get dup PK in tx: {r3:?}");
     drop(tx);
     drop(c);
-    sqlx::raw_sql(&format!("DROP SCHEMA {s} CASCADE"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    exec(&pool, &format!("DROP SCHEMA {s} CASCADE")).await;
     assert!(matches!(r, Err(PatternError::Database { .. })));
     assert!(r2.is_err());
     assert!(matches!(r3, Err(PatternError::UniqueViolation { .. })));
@@ -161,12 +135,9 @@ async fn pg_aborted_transaction() {
 #[tokio::test]
 async fn pg_odd_states_and_values() {
     let (pool, s) = pg().await;
-    sqlx::raw_sql(&format!(
+    exec(&pool, &format!(
         "CREATE TABLE {s}.t (id BIGINT PRIMARY KEY, state TEXT, n INT); INSERT INTO {s}.t VALUES (1, NULL, 0), (2, 'a', 0)"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    )).await;
     let m = StateMachine::new(&format!("{s}.t"), "id", "state").unwrap();
     let mut c = pool.acquire().await.unwrap();
     let null_state = m.transition(&mut *c, 1, &["a"], "b").await;
@@ -179,10 +150,7 @@ async fn pg_odd_states_and_values() {
         .await;
     let now = m.transition(&mut *c, 2, &["zz"], "q").await;
     drop(c);
-    sqlx::raw_sql(&format!("DROP SCHEMA {s} CASCADE"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    exec(&pool, &format!("DROP SCHEMA {s} CASCADE")).await;
     assert!(
         matches!(null_state, Err(PatternError::Decode { .. })),
         "{null_state:?}"
@@ -204,11 +172,7 @@ async fn pg_odd_states_and_values() {
 
 #[tokio::test]
 async fn advisory_locks_hold_server_connections() {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(3)
-        .connect(&pg_url())
-        .await
-        .unwrap();
+    let pool = pg_pool(3).await;
     let table = format!("adv_f_{}", random_hex(8));
     let b = PgAdvisoryLockBackend::new(pool.clone())
         .with_table(&table)
@@ -245,10 +209,7 @@ async fn advisory_locks_hold_server_connections() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = count().await;
     eprintln!("client backends: before {before}, with 12 locks held on a pool of 3: {during}, after release {after}; held_sessions {}", b.held_sessions());
-    sqlx::raw_sql(&format!("DROP TABLE {table}"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    exec(&pool, &format!("DROP TABLE {table}")).await;
     assert_eq!(b.held_sessions(), 0);
 }
 
@@ -318,11 +279,7 @@ async fn lease_hammer_all_dbs() {
     let b = LeaseLockBackend::sqlite(sqlite).with_table(&t).unwrap();
     b.migrate().await.unwrap();
     hammer("sqlite", b).await;
-    let pgp = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(6)
-        .connect(&pg_url())
-        .await
-        .unwrap();
+    let pgp = pg_pool(6).await;
     let b = LeaseLockBackend::postgres(pgp.clone())
         .with_table(&t)
         .unwrap();
@@ -333,40 +290,23 @@ async fn lease_hammer_all_dbs() {
         .unwrap();
     b.migrate().await.unwrap();
     hammer("postgres advisory", b).await;
-    sqlx::raw_sql(&format!(
-        "DROP TABLE {t}; DROP TABLE {}",
-        t.replace("lk", "af")
-    ))
-    .execute(&pgp)
-    .await
-    .unwrap();
-    let myp = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(6)
-        .connect(&my_url())
-        .await
-        .unwrap();
+    exec(
+        &pgp,
+        &format!("DROP TABLE {t}; DROP TABLE {}", t.replace("lk", "af")),
+    )
+    .await;
+    let myp = my_pool(6).await;
     let b = LeaseLockBackend::mysql(myp.clone()).with_table(&t).unwrap();
     b.migrate().await.unwrap();
     hammer("mariadb lease", b).await;
-    sqlx::raw_sql(&format!("DROP TABLE {t}"))
-        .execute(&myp)
-        .await
-        .unwrap();
+    exec(&myp, &format!("DROP TABLE {t}")).await;
 }
 
 #[tokio::test]
 async fn odd_names_are_distinct_locks() {
     let t = format!("adv_nm_{}", random_hex(8));
-    let myp = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(3)
-        .connect(&my_url())
-        .await
-        .unwrap();
-    let pgp = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(3)
-        .connect(&pg_url())
-        .await
-        .unwrap();
+    let myp = my_pool(3).await;
+    let pgp = pg_pool(3).await;
     let sq = sqlx::sqlite::SqlitePoolOptions::new()
         .max_connections(1)
         .connect("sqlite::memory:")
@@ -413,14 +353,8 @@ async fn odd_names_are_distinct_locks() {
             g.release().await.unwrap();
         }
     }
-    sqlx::raw_sql(&format!("DROP TABLE {t}"))
-        .execute(&myp)
-        .await
-        .unwrap();
-    sqlx::raw_sql(&format!("DROP TABLE {t}"))
-        .execute(&pgp)
-        .await
-        .unwrap();
+    exec(&myp, &format!("DROP TABLE {t}")).await;
+    exec(&pgp, &format!("DROP TABLE {t}")).await;
     eprintln!("shared: {shared:#?}");
     assert!(shared.is_empty());
 }

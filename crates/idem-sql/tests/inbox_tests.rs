@@ -12,6 +12,8 @@
 //! H2 (committed, ack lost → the redelivery is a duplicate), H3 (a failing
 //! handler commits neither its effect nor the inbox row).
 
+mod servers;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,22 +32,60 @@ fn suffix() -> String {
     idem_testkit::support::random_hex(10)
 }
 
-/// Fails (never skips) with the start command when the server is down.
-fn unreachable(what: &str, url: &str, e: &sqlx::Error, start: &str) -> ! {
-    panic!(
-        "{what} at {url} is not reachable ({e}).\nThese tests need the real server. Start it with:\n    {start}\n\
-         (or point the URL variable at another server)"
-    )
-}
-
-/// The scenarios, for one database: `$setup` is an async expression giving
-/// `(Inbox<$db>, credits_table_name)`; `$ins` inserts a credit
-/// `(payment_id, cents)`; `$drop` drops a table.
+/// The scenarios, for one database: `$pool` is an async expression giving
+/// a pool; `$credits` creates the credits table `{0}` (`payment_id`,
+/// `cents`); `$ins` inserts a credit `(payment_id, cents)`; `$drop` drops a
+/// table. Writes `setup_with(pool)` and `setup()`, giving `(inbox,
+/// credits_table, inbox_table)`, and `duplicate_error`.
 macro_rules! scenarios {
-    ($db:ty, $setup:expr, $ins:literal, $drop:literal) => {
+    ($db:ty, $pool:expr, $credits:literal, $ins:literal, $drop:literal) => {
         use super::*;
 
         type Db = $db;
+
+        async fn setup_with(pool: sqlx::Pool<Db>) -> (Inbox<Db>, String, String) {
+            let (table, credits) = (
+                format!("inbox_{}", suffix()),
+                format!("credits_{}", suffix()),
+            );
+            sqlx::query(&format!($credits, credits))
+                .execute(&pool)
+                .await
+                .unwrap();
+            let inbox =
+                Inbox::with_options(pool, InboxOptions::default().with_table(table.clone()))
+                    .unwrap();
+            inbox.migrate().await.unwrap();
+            (inbox, credits, table)
+        }
+
+        async fn setup() -> (Inbox<Db>, String, String) {
+            setup_with($pool.await).await
+        }
+
+        /// H1: claims `("c", "m")`, then runs `insert` (that row again, by
+        /// hand, `{0}` the inbox table) and returns the database's error;
+        /// `claim` still answers `Duplicate` afterwards.
+        async fn duplicate_error(inbox: &Inbox<Db>, table: &str, insert: &str) -> sqlx::Error {
+            commit_new(inbox.claim("c", "m").await.unwrap()).await;
+            let err = sqlx::query(&insert.replace("{0}", table))
+                .execute(inbox.pool())
+                .await
+                .unwrap_err();
+            assert!(matches!(
+                inbox.claim("c", "m").await.unwrap(),
+                Claim::Duplicate
+            ));
+            err
+        }
+
+        /// The error code of a database error.
+        #[allow(dead_code)]
+        fn code(err: &sqlx::Error) -> Option<String> {
+            err.as_database_error()
+                .and_then(|e| e.code())
+                .map(|c| c.into_owned())
+        }
 
         async fn credit(
             tx: &mut sqlx::Transaction<'static, Db>,
@@ -93,7 +133,7 @@ macro_rules! scenarios {
 
         #[tokio::test]
         async fn n_messages_with_injected_duplicates_give_n_effects() {
-            let (inbox, credits, table) = $setup.await;
+            let (inbox, credits, table) = setup().await;
             let n = 20;
             let mut applied = 0;
             let mut dups = 0;
@@ -127,7 +167,7 @@ macro_rules! scenarios {
 
         #[tokio::test]
         async fn concurrent_copies_apply_once() {
-            let (inbox, credits, table) = $setup.await;
+            let (inbox, credits, table) = setup().await;
             let inbox = Arc::new(inbox);
             let tasks: Vec<_> = (0..6)
                 .map(|_| {
@@ -150,7 +190,7 @@ macro_rules! scenarios {
         /// effect nor the inbox row is committed; the redelivery applies once.
         #[tokio::test]
         async fn h3_failing_handler_commits_neither_effect_nor_row() {
-            let (inbox, credits, table) = $setup.await;
+            let (inbox, credits, table) = setup().await;
             let c = credits.clone();
             let r = inbox
                 .process("payments", "p1", move |tx| {
@@ -176,7 +216,7 @@ macro_rules! scenarios {
 
         #[tokio::test]
         async fn fails_twice_then_succeeds_one_effect() {
-            let (inbox, credits, table) = $setup.await;
+            let (inbox, credits, table) = setup().await;
             let attempts = Arc::new(AtomicU32::new(0));
             let mut outcomes = Vec::new();
             for _ in 0..5 {
@@ -213,7 +253,7 @@ macro_rules! scenarios {
         /// redelivery is a duplicate and the handler does not run.
         #[tokio::test]
         async fn crash_windows() {
-            let (inbox, credits, table) = $setup.await;
+            let (inbox, credits, table) = setup().await;
             // Before commit.
             match inbox.claim("payments", "c1").await.unwrap() {
                 Claim::New(mut tx) => {
@@ -244,7 +284,7 @@ macro_rules! scenarios {
         /// redelivery after the purge is processed again (documented).
         #[tokio::test]
         async fn consumers_are_separate_and_purge_forgets() {
-            let (inbox, credits, table) = $setup.await;
+            let (inbox, credits, table) = setup().await;
             commit_new(inbox.claim("a", "m").await.unwrap()).await;
             commit_new(inbox.claim("b", "m").await.unwrap()).await;
             assert!(matches!(
@@ -279,7 +319,7 @@ macro_rules! scenarios {
 
         #[tokio::test]
         async fn bad_input_is_typed() {
-            let (inbox, credits, table) = $setup.await;
+            let (inbox, credits, table) = setup().await;
             assert!(matches!(
                 inbox.claim("", "m").await,
                 Err(InboxError::InvalidId {
@@ -307,40 +347,16 @@ macro_rules! scenarios {
 }
 
 mod sqlite {
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-
-    async fn setup() -> (Inbox<sqlx::Sqlite>, String, String) {
-        // A file (not :memory:) so concurrent transactions really contend.
+    /// A file (not :memory:) so concurrent transactions really contend.
+    async fn pool() -> sqlx::SqlitePool {
         let dir = Box::leak(Box::new(tempfile::tempdir().expect("tempdir")));
-        let opts = SqliteConnectOptions::new()
-            .filename(dir.path().join("inbox.db"))
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(Duration::from_secs(10));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(opts)
-            .await
-            .expect("sqlite");
-        let (table, credits) = (
-            format!("inbox_{}", suffix()),
-            format!("credits_{}", suffix()),
-        );
-        sqlx::query(&format!(
-            "CREATE TABLE {credits} (payment_id TEXT NOT NULL, cents INTEGER NOT NULL)"
-        ))
-        .execute(&pool)
-        .await
-        .unwrap();
-        let inbox =
-            Inbox::with_options(pool, InboxOptions::default().with_table(table.clone())).unwrap();
-        inbox.migrate().await.unwrap();
-        (inbox, credits, table)
+        servers::sqlite_file_pool(&dir.path().join("inbox.db"), 4, Duration::from_secs(10)).await
     }
 
     scenarios!(
         sqlx::Sqlite,
-        setup(),
+        pool(),
+        "CREATE TABLE {} (payment_id TEXT NOT NULL, cents INTEGER NOT NULL)",
         "INSERT INTO {} (payment_id, cents) VALUES (?1, ?2)",
         "DROP TABLE {}"
     );
@@ -350,43 +366,22 @@ mod sqlite {
     #[tokio::test]
     async fn h1_sqlite_duplicate_code_is_1555() {
         let (inbox, credits, table) = setup().await;
-        commit_new(inbox.claim("c", "m").await.unwrap()).await;
-        let err = sqlx::query(&format!(
-            "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ('c', 'm', 0)"
-        ))
-        .execute(inbox.pool())
-        .await
-        .unwrap_err();
-        let code = err
-            .as_database_error()
-            .and_then(|e| e.code())
-            .map(|c| c.into_owned());
-        assert_eq!(code.as_deref(), Some("1555"));
-        assert!(matches!(
-            inbox.claim("c", "m").await.unwrap(),
-            Claim::Duplicate
-        ));
+        let err = duplicate_error(
+            &inbox,
+            &table,
+            "INSERT INTO {0} (consumer, message_id, processed_at) VALUES ('c', 'm', 0)",
+        )
+        .await;
+        assert_eq!(code(&err).as_deref(), Some("1555"));
         cleanup(&inbox, &[&credits, &table]).await;
     }
 }
 
 #[cfg(feature = "postgres")]
 mod postgres {
-    use sqlx::postgres::PgPoolOptions;
-
-    const START: &str = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start";
-
-    fn url() -> String {
-        std::env::var("IDEM_TEST_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-    }
-
     async fn pool(lc_messages: Option<&'static str>) -> sqlx::PgPool {
-        let url = url();
-        PgPoolOptions::new()
-            .max_connections(8)
-            .acquire_timeout(Duration::from_secs(10))
-            .after_connect(move |conn, _| {
+        servers::pg_pool_with(servers::pool_options::<sqlx::Postgres>(8).after_connect(
+            move |conn, _| {
                 Box::pin(async move {
                     if let Some(lc) = lc_messages {
                         sqlx::query(&format!("SET lc_messages = '{lc}'"))
@@ -395,36 +390,15 @@ mod postgres {
                     }
                     Ok(())
                 })
-            })
-            .connect(&url)
-            .await
-            .unwrap_or_else(|e| unreachable("PostgreSQL", &url, &e, START))
-    }
-
-    async fn setup_with(pool: sqlx::PgPool) -> (Inbox<sqlx::Postgres>, String, String) {
-        let (table, credits) = (
-            format!("inbox_{}", suffix()),
-            format!("credits_{}", suffix()),
-        );
-        sqlx::query(&format!(
-            "CREATE TABLE {credits} (payment_id TEXT NOT NULL, cents BIGINT NOT NULL)"
+            },
         ))
-        .execute(&pool)
         .await
-        .unwrap();
-        let inbox =
-            Inbox::with_options(pool, InboxOptions::default().with_table(table.clone())).unwrap();
-        inbox.migrate().await.unwrap();
-        (inbox, credits, table)
-    }
-
-    async fn setup() -> (Inbox<sqlx::Postgres>, String, String) {
-        setup_with(pool(None).await).await
     }
 
     scenarios!(
         sqlx::Postgres,
-        setup(),
+        pool(None),
+        "CREATE TABLE {} (payment_id TEXT NOT NULL, cents BIGINT NOT NULL)",
         "INSERT INTO {} (payment_id, cents) VALUES ($1, $2)",
         "DROP TABLE {}"
     );
@@ -452,22 +426,13 @@ mod postgres {
             eprintln!("no German/French OS locale: lc_messages stays at the server default");
         }
         let (inbox, credits, table) = setup_with(pool(chosen).await).await;
-        commit_new(inbox.claim("c", "m").await.unwrap()).await;
-        let err = sqlx::query(&format!(
-            "INSERT INTO {table} (consumer, message_id) VALUES ('c', 'm')"
-        ))
-        .execute(inbox.pool())
-        .await
-        .unwrap_err();
-        let code = err
-            .as_database_error()
-            .and_then(|e| e.code())
-            .map(|c| c.into_owned());
-        assert_eq!(code.as_deref(), Some("23505"), "{err}");
-        assert!(matches!(
-            inbox.claim("c", "m").await.unwrap(),
-            Claim::Duplicate
-        ));
+        let err = duplicate_error(
+            &inbox,
+            &table,
+            "INSERT INTO {0} (consumer, message_id) VALUES ('c', 'm')",
+        )
+        .await;
+        assert_eq!(code(&err).as_deref(), Some("23505"), "{err}");
         cleanup(&inbox, &[&credits, &table]).await;
     }
 
@@ -500,42 +465,10 @@ mod postgres {
 
 #[cfg(feature = "mysql")]
 mod mysql {
-    use sqlx::mysql::MySqlPoolOptions;
-
-    const START: &str = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd";
-
-    fn url() -> String {
-        std::env::var("IDEM_TEST_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-    }
-
-    async fn setup() -> (Inbox<sqlx::MySql>, String, String) {
-        let url = url();
-        let pool = MySqlPoolOptions::new()
-            .max_connections(8)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(&url)
-            .await
-            .unwrap_or_else(|e| unreachable("MySQL/MariaDB", &url, &e, START));
-        let (table, credits) = (
-            format!("inbox_{}", suffix()),
-            format!("credits_{}", suffix()),
-        );
-        sqlx::query(&format!(
-            "CREATE TABLE {credits} (payment_id VARCHAR(64) NOT NULL, cents BIGINT NOT NULL) ENGINE=InnoDB"
-        ))
-        .execute(&pool)
-        .await
-        .unwrap();
-        let inbox =
-            Inbox::with_options(pool, InboxOptions::default().with_table(table.clone())).unwrap();
-        inbox.migrate().await.unwrap();
-        (inbox, credits, table)
-    }
-
     scenarios!(
         sqlx::MySql,
-        setup(),
+        servers::my_pool(8),
+        "CREATE TABLE {} (payment_id VARCHAR(64) NOT NULL, cents BIGINT NOT NULL) ENGINE=InnoDB",
         "INSERT INTO {} (payment_id, cents) VALUES (?, ?)",
         "DROP TABLE {}"
     );
@@ -544,22 +477,17 @@ mod mysql {
     #[tokio::test]
     async fn h1_duplicate_by_errno_1062() {
         let (inbox, credits, table) = setup().await;
-        commit_new(inbox.claim("c", "m").await.unwrap()).await;
-        let err = sqlx::query(&format!(
-            "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ('c', 'm', UTC_TIMESTAMP(3))"
-        ))
-        .execute(inbox.pool())
-        .await
-        .unwrap_err();
+        let err = duplicate_error(
+            &inbox,
+            &table,
+            "INSERT INTO {0} (consumer, message_id, processed_at) VALUES ('c', 'm', UTC_TIMESTAMP(3))",
+        )
+        .await;
         let errno = err
             .as_database_error()
             .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
             .map(|e| e.number());
         assert_eq!(errno, Some(1062));
-        assert!(matches!(
-            inbox.claim("c", "m").await.unwrap(),
-            Claim::Duplicate
-        ));
         cleanup(&inbox, &[&credits, &table]).await;
     }
 }

@@ -13,6 +13,8 @@
 //!
 //! `cargo test -p idem-sql --test lock_tests`
 
+mod servers;
+
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -20,91 +22,26 @@ use idem_core::lock::{Acquire, Lock, LockBackend, LockError, LockLease, TryAcqui
 use idem_sql::{LeaseLockBackend, PgAdvisoryLockBackend};
 use idem_testkit::lock_checks::{fresh_name, LockHarness};
 use idem_testkit::support::random_hex;
-use sqlx::mysql::MySqlPoolOptions;
-use sqlx::postgres::PgPoolOptions;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{MySqlPool, PgPool};
-
-const START_PG: &str = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start";
-const START_MY: &str = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd";
-
-fn pg_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-fn my_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
-
-fn unreachable(what: &str, url: &str, e: &sqlx::Error, start: &str) -> ! {
-    panic!(
-        "{what} at {url} is not reachable or refused the connection ({e}).\n\
-         These tests need the real server. Start it with:\n    {start}\n\
-         (or point the URL variable at another server)"
-    )
-}
-
-async fn pg_pool() -> PgPool {
-    let url = pg_url();
-    PgPoolOptions::new()
-        .max_connections(8)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&url)
-        .await
-        .unwrap_or_else(|e| unreachable("PostgreSQL", &url, &e, START_PG))
-}
-
-async fn my_pool() -> MySqlPool {
-    let url = my_url();
-    MySqlPoolOptions::new()
-        .max_connections(8)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&url)
-        .await
-        .unwrap_or_else(|e| unreachable("MySQL/MariaDB", &url, &e, START_MY))
-}
+use servers::{my_pool, pg_pool, Cleanup, Server};
+use sqlx::PgPool;
 
 fn table_name() -> String {
     format!("idem_lk_{}", random_hex(12))
 }
 
-/// Drops a per-check table when the check ends (on a thread with its own
-/// runtime: Drop is synchronous).
-struct DropTable {
-    url: String,
-    sql: String,
-    postgres: bool,
-}
-
-impl Drop for DropTable {
-    fn drop(&mut self) {
-        let (url, sql, postgres) = (self.url.clone(), self.sql.clone(), self.postgres);
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                use sqlx::Connection;
-                if postgres {
-                    if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
-                        let _ = sqlx::query(&sql).execute(&mut c).await;
-                    }
-                } else if let Ok(mut c) = sqlx::MySqlConnection::connect(&url).await {
-                    let _ = sqlx::query(&sql).execute(&mut c).await;
-                }
-            });
-        })
-        .join();
-    }
+/// Drops a per-check table when the check ends.
+fn drop_table(server: Server, table: &str) -> Cleanup {
+    let quoted = match server {
+        Server::Postgres => format!("\"{table}\""),
+        Server::MySql => format!("`{table}`"),
+    };
+    Cleanup::new(server, table, format!("DROP TABLE IF EXISTS {quoted}"))
 }
 
 /// Time passes by sleeping: every SQL backend keeps time by its database.
 struct LeaseHarness {
     backend: LeaseLockBackend,
-    _drop: Option<DropTable>,
+    _drop: Option<Cleanup>,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -122,61 +59,38 @@ impl LockHarness for LeaseHarness {
 }
 
 impl LeaseHarness {
-    async fn sqlite() -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let opts = SqliteConnectOptions::new()
-            .filename(dir.path().join("locks.db"))
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(Duration::from_secs(10));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(opts)
-            .await
-            .expect("open SQLite");
-        let backend = LeaseLockBackend::sqlite(pool)
-            .with_table(&table_name())
-            .expect("table name");
+    /// `backend` on a fresh table of its own, migrated.
+    async fn on_fresh_table(
+        backend: LeaseLockBackend,
+        server: Option<Server>,
+        dir: Option<tempfile::TempDir>,
+    ) -> Self {
+        let table = table_name();
+        let backend = backend.with_table(&table).expect("table name");
         backend.migrate().await.expect("migrate");
         Self {
             backend,
-            _drop: None,
-            _dir: Some(dir),
+            _drop: server.map(|s| drop_table(s, &table)),
+            _dir: dir,
         }
+    }
+
+    async fn sqlite() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let pool =
+            servers::sqlite_file_pool(&dir.path().join("locks.db"), 4, Duration::from_secs(10))
+                .await;
+        Self::on_fresh_table(LeaseLockBackend::sqlite(pool), None, Some(dir)).await
     }
 
     async fn postgres() -> Self {
-        let table = table_name();
-        let backend = LeaseLockBackend::postgres(pg_pool().await)
-            .with_table(&table)
-            .expect("table name");
-        backend.migrate().await.expect("migrate");
-        Self {
-            backend,
-            _drop: Some(DropTable {
-                url: pg_url(),
-                sql: format!("DROP TABLE IF EXISTS \"{table}\""),
-                postgres: true,
-            }),
-            _dir: None,
-        }
+        let backend = LeaseLockBackend::postgres(pg_pool(8).await);
+        Self::on_fresh_table(backend, Some(Server::Postgres), None).await
     }
 
     async fn mysql() -> Self {
-        let table = table_name();
-        let backend = LeaseLockBackend::mysql(my_pool().await)
-            .with_table(&table)
-            .expect("table name");
-        backend.migrate().await.expect("migrate");
-        Self {
-            backend,
-            _drop: Some(DropTable {
-                url: my_url(),
-                sql: format!("DROP TABLE IF EXISTS `{table}`"),
-                postgres: false,
-            }),
-            _dir: None,
-        }
+        let backend = LeaseLockBackend::mysql(my_pool(8).await);
+        Self::on_fresh_table(backend, Some(Server::MySql), None).await
     }
 }
 
@@ -184,13 +98,13 @@ impl LeaseHarness {
 struct AdvisoryHarness {
     backend: PgAdvisoryLockBackend,
     pool: PgPool,
-    _drop: DropTable,
+    _drop: Cleanup,
 }
 
 impl AdvisoryHarness {
     async fn new() -> Self {
         let table = table_name();
-        let pool = pg_pool().await;
+        let pool = pg_pool(8).await;
         let backend = PgAdvisoryLockBackend::new(pool.clone())
             .with_table(&table)
             .expect("table name");
@@ -198,11 +112,7 @@ impl AdvisoryHarness {
         Self {
             backend,
             pool,
-            _drop: DropTable {
-                url: pg_url(),
-                sql: format!("DROP TABLE IF EXISTS \"{table}\""),
-                postgres: true,
-            },
+            _drop: drop_table(Server::Postgres, &table),
         }
     }
 
@@ -250,31 +160,24 @@ impl LockHarness for AdvisoryHarness {
     }
 }
 
-mod sqlite_lease_tests {
-    use super::*;
-    idem_testkit::lock_tests!(
-        lock,
-        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)],
-        || async { LeaseHarness::sqlite().await }
-    );
+/// One module `<backend>_tests` per backend, each with the whole lock suite.
+macro_rules! lock_suites {
+    ($($module:ident: $make:expr;)*) => {$(
+        mod $module {
+            use super::*;
+            idem_testkit::lock_tests!(
+                lock,
+                #[::tokio::test(flavor = "multi_thread", worker_threads = 2)],
+                || async { $make.await }
+            );
+        }
+    )*};
 }
 
-mod postgres_lease_tests {
-    use super::*;
-    idem_testkit::lock_tests!(
-        lock,
-        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)],
-        || async { LeaseHarness::postgres().await }
-    );
-}
-
-mod mysql_lease_tests {
-    use super::*;
-    idem_testkit::lock_tests!(
-        lock,
-        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)],
-        || async { LeaseHarness::mysql().await }
-    );
+lock_suites! {
+    sqlite_lease_tests: LeaseHarness::sqlite();
+    postgres_lease_tests: LeaseHarness::postgres();
+    mysql_lease_tests: LeaseHarness::mysql();
 }
 
 mod pg_advisory_tests {
@@ -412,11 +315,11 @@ mod config_tests {
         for (h, other) in [
             (
                 LeaseHarness::postgres().await,
-                LeaseLockBackend::postgres(pg_pool().await),
+                LeaseLockBackend::postgres(pg_pool(8).await),
             ),
             (
                 LeaseHarness::mysql().await,
-                LeaseLockBackend::mysql(my_pool().await),
+                LeaseLockBackend::mysql(my_pool(8).await),
             ),
         ] {
             let other = other.with_table(h.backend().table()).expect("table");
@@ -458,7 +361,7 @@ mod config_tests {
         let now: i64 = sqlx::query_scalar(
             "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
         )
-        .fetch_one(&pg_pool().await)
+        .fetch_one(&pg_pool(8).await)
         .await
         .expect("now");
         let until = i64::try_from(l.until.0).expect("until");

@@ -13,114 +13,36 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use async_trait::async_trait;
-use idem_core::{IdempotencyKey, Phase, Store, StoreError};
-use idem_sql::{MySqlOptions, MySqlStore};
-use idem_testkit::support::{
-    acquire, expect_in_flight, expect_in_progress, fp, fresh_key, fresh_scope, req, response,
-};
-use idem_testkit::Harness;
-
+use common::servers::{my_url as url, Server, START_MY as START};
 use common::MIN;
+use idem_core::{IdempotencyKey, Store, StoreError};
+use idem_sql::{MySqlOptions, MySqlStore};
+use idem_testkit::support::{acquire, expect_in_flight, fp, fresh_key, fresh_scope, req};
 
-const START: &str = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd";
-
-fn url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
-
-/// A store on fresh tables; they are dropped when this is dropped.
-struct MyHarness {
-    store: MySqlStore,
-    tables: TablesGuard,
-}
-
-struct TablesGuard(String);
-
-impl Drop for TablesGuard {
-    fn drop(&mut self) {
-        let table = self.0.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                use sqlx::Connection;
-                let Ok(mut c) = sqlx::MySqlConnection::connect(&url()).await else {
-                    return;
-                };
-                let _ = sqlx::raw_sql(&format!(
-                    "SET SESSION lock_wait_timeout = 5; \
-                     DROP TABLE IF EXISTS `{table}`, `{table}_fence`"
-                ))
-                .execute(&mut c)
-                .await;
-                let _ = c.close().await;
-            });
-        })
-        .join();
-    }
-}
-
-fn options(table: &str) -> MySqlOptions {
-    MySqlOptions::new(url())
-        .with_table(table)
-        .with_max_connections(8)
-}
-
-async fn connect(opts: MySqlOptions) -> MySqlStore {
-    match MySqlStore::connect_with(opts).await {
-        Ok(s) => s,
-        Err(e) => common::connect_failed("MySQL/MariaDB", &url(), &e, START),
-    }
-}
-
-async fn my_harness_with(f: impl FnOnce(MySqlOptions) -> MySqlOptions) -> MyHarness {
-    let table = format!("idem_t_{}", common::suffix());
-    let tables = TablesGuard(table.clone());
-    let store = connect(f(options(&table))).await;
-    MyHarness { store, tables }
-}
-
-async fn my_harness() -> MyHarness {
-    my_harness_with(|o| o).await
-}
-
-#[async_trait]
-impl Harness for MyHarness {
-    type S = MySqlStore;
-
-    fn store(&self) -> MySqlStore {
-        self.store.clone()
-    }
-
-    /// The server keeps its own time: let it pass.
-    async fn advance(&self, d: Duration) {
-        tokio::time::sleep(d).await;
-    }
-}
+common::server_backend!(
+    MySqlStore, MySqlOptions, sqlx::MySql, "MySQL/MariaDB", url, START,
+    port: 3306, by_key: "scope = ? AND `key` = ?", with_table,
+    Server::MySql,
+    drop: "SET SESSION lock_wait_timeout = 5; DROP TABLE IF EXISTS `{0}`, `{0}_fence`"
+);
 
 mod mysql_tests {
     use super::*;
 
-    idem_testkit::conformance_tests!(conformance, my_harness);
+    idem_testkit::conformance_tests!(conformance, harness);
 
-    /// 64 concurrent begins of one key from two stores with separate pools:
-    /// exactly one `Acquired`; then 64 racing takeovers of an expired claim:
-    /// exactly one winner, with a larger fence.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn sixty_four_begins_from_two_pools_one_winner() {
-        let h = my_harness().await;
-        let other = connect(options(&h.tables.0)).await;
-        for _ in 0..3 {
-            common::race_two_pools(&h.store, &other, 64).await;
-        }
-        common::race_takeover_two_pools(&h.store, &other, 64).await;
-    }
+    common::server_checks!(
+        MySqlStore,
+        corrupt: ["response = x'deadbeef'", "response = NULL", "fingerprint = x'00'"],
+        unreachable: "mysql://root@127.0.0.1:{}/test",
+        round_trips:
+        /// Round trips on the wire with one warmed-up connection: a claim is six
+        /// (read, BEGIN, upsert, fence, update, COMMIT), `complete` one, a
+        /// replay one.
+        round_trips_claim_six_complete_one_replay_one => (6, 1, 1)
+    );
 
     /// Table names are validated before anything is sent.
     #[tokio::test]
@@ -133,13 +55,11 @@ mod mysql_tests {
             "",
             "t".repeat(55).as_str(),
         ] {
-            let started = Instant::now();
-            let got = MySqlStore::connect_with(MySqlOptions::new(url()).with_table(table)).await;
-            assert!(
-                matches!(got, Err(StoreError::Config(_))),
-                "{table:?}: {got:?}"
-            );
-            assert!(started.elapsed() < Duration::from_secs(1));
+            common::refused_as_config(
+                &format!("{table:?}"),
+                MySqlStore::connect_with(MySqlOptions::new(url()).with_table(table)),
+            )
+            .await;
         }
         assert!(matches!(
             MySqlStore::connect("postgres://x@127.0.0.1/test").await,
@@ -150,8 +70,8 @@ mod mysql_tests {
     /// A table with the configured name but other columns is refused at connect.
     #[tokio::test]
     async fn foreign_table_shape_is_config_error() {
-        let h = my_harness().await;
-        let name = format!("{}_other", h.tables.0);
+        let h = harness().await;
+        let name = format!("{}_other", name_of(&h));
         sqlx::raw_sql(&format!("CREATE TABLE `{name}` (id INT PRIMARY KEY)"))
             .execute(h.store.pool())
             .await
@@ -164,82 +84,19 @@ mod mysql_tests {
         assert!(matches!(got, Err(StoreError::Config(_))), "{got:?}");
     }
 
-    /// Corrupt rows are `Corrupt`, never a panic.
-    #[tokio::test]
-    async fn corrupt_rows_are_corrupt_errors() {
-        let h = my_harness().await;
-        let pool = h.store.pool().clone();
-        let table = h.store.table().to_owned();
-        common::corrupt_rows(&h.store, |scope, key, what| {
-            let (pool, table) = (pool.clone(), table.clone());
-            async move {
-                let set = match what {
-                    "response" => "response = x'deadbeef'",
-                    "null-response" => "response = NULL",
-                    _ => "fingerprint = x'00'",
-                };
-                sqlx::query(&format!(
-                    "UPDATE {table} SET {set} WHERE scope = ? AND `key` = ?"
-                ))
-                .bind(scope.as_str().as_bytes())
-                .bind(key.as_str().as_bytes())
-                .execute(&pool)
-                .await
-                .expect("corrupt the row");
-            }
-        })
-        .await;
-    }
-
-    /// A closed port: `Unavailable` at connect, quickly, with the source kept.
-    #[tokio::test]
-    async fn unreachable_server_is_unavailable_quickly() {
-        let port = common::closed_port();
-        common::unreachable_fails_fast(MySqlStore::connect(&format!(
-            "mysql://root@127.0.0.1:{port}/test"
-        )))
-        .await;
-    }
-
     /// A step blocked by another transaction's row lock for longer than
     /// `lock_wait_timeout` fails with `Timeout` and writes nothing.
     #[tokio::test]
     async fn lock_wait_timeout_is_timeout() {
-        let h = my_harness_with(|o| o.with_lock_wait_timeout(Duration::from_secs(1))).await;
-        let store = &h.store;
-        let (scope, key) = (fresh_scope(), fresh_key("timeout"));
-        let lease = acquire(store, &req(&scope, &key, fp("a"), MIN)).await;
-        let mut blocker = store.pool().begin().await.expect("tx");
-        sqlx::query(&format!(
-            "SELECT 1 FROM {} WHERE scope = ? AND `key` = ? FOR UPDATE",
-            store.table()
-        ))
-        .bind(scope.as_str().as_bytes())
-        .bind(key.as_str().as_bytes())
-        .execute(&mut *blocker)
-        .await
-        .expect("lock the row");
-        let started = Instant::now();
-        match store.complete(&lease, &response("x"), MIN).await {
-            Err(StoreError::Timeout {
-                phase: Phase::Complete,
-            }) => {}
-            other => panic!("expected Timeout, got {other:?}"),
-        }
-        assert!(started.elapsed() < Duration::from_secs(4));
-        blocker.rollback().await.expect("unlock");
-        expect_in_progress(store, &scope, &key, fp("a"), lease.fence).await;
-        store
-            .complete(&lease, &response("x"), MIN)
-            .await
-            .expect("complete once unblocked");
+        let h = harness_with(|o| o.with_lock_wait_timeout(Duration::from_secs(1))).await;
+        common::blocked_step_is_timeout(&h.store, Duration::from_secs(4)).await;
     }
 
     /// Keys differing only in case or trailing spaces are distinct records
     /// (the columns are binary; a default collation would merge them).
     #[tokio::test]
     async fn keys_are_compared_byte_for_byte() {
-        let h = my_harness().await;
+        let h = harness().await;
         let store = &h.store;
         let scope = fresh_scope();
         let base = fresh_key("Case");
@@ -263,7 +120,7 @@ mod mysql_tests {
     /// succeeds (an UPDATE that changes nothing is not a lost lease).
     #[tokio::test]
     async fn extend_to_the_same_deadline_is_not_lease_lost() {
-        let h = my_harness().await;
+        let h = harness().await;
         let store = &h.store;
         let (scope, key) = (fresh_scope(), fresh_key("extend"));
         let lease = acquire(store, &req(&scope, &key, fp("a"), MIN)).await;
@@ -274,70 +131,41 @@ mod mysql_tests {
         }
     }
 
-    /// Round trips on the wire with one warmed-up connection: a claim is six
-    /// (read, BEGIN, upsert, fence, update, COMMIT), `complete` one, a
-    /// replay one.
-    #[tokio::test]
-    async fn round_trips_claim_six_complete_one_replay_one() {
-        let h = my_harness().await;
-        let parsed = url::Url::parse(&url()).expect("url");
-        let upstream = format!(
-            "{}:{}",
-            parsed.host_str().expect("host"),
-            parsed.port().unwrap_or(3306)
-        );
-        let proxy = common::RoundTripProxy::start(upstream).await;
-        let mut via = parsed.clone();
-        via.set_host(Some("127.0.0.1")).expect("host");
-        via.set_port(Some(proxy.port)).expect("port");
-        let store = connect(
-            MySqlOptions::new(via.as_str())
-                .with_table(&h.tables.0)
-                .with_max_connections(1),
-        )
-        .await;
-        let (begin, complete, replay) = common::count_round_trips(&store, &proxy).await;
-        assert_eq!(
-            (begin, complete, replay),
-            (6, 1, 1),
-            "round trips (begin, complete, replay)"
-        );
-    }
-
     /// `purge_expired` deletes in batches and trims the fence counter table,
     /// keeping its newest row; fences keep growing afterwards.
     #[tokio::test]
     async fn purge_works_in_batches_and_keeps_fences_growing() {
-        let h = my_harness().await;
+        let h = harness().await;
         let store = &h.store;
-        let scope = fresh_scope();
-        let live = acquire(store, &req(&scope, &fresh_key("live"), fp("a"), MIN)).await;
-        let fingerprint = fp("a");
-        let mut tx = store.pool().begin().await.expect("tx");
-        for chunk in 0..5 {
-            let mut sql = format!(
-                "INSERT INTO {} (scope, `key`, fingerprint, state, fence, deadline, response) VALUES ",
-                store.table()
-            );
-            let rows: Vec<String> = (0..500)
-                .map(|i| format!("(?, 'k{}', ?, 0, 1, 1, NULL)", chunk * 500 + i))
-                .collect();
-            sql.push_str(&rows.join(", "));
-            let mut q = sqlx::query(&sql);
-            for _ in 0..500 {
-                q = q
-                    .bind(scope.as_str().as_bytes())
-                    .bind(fingerprint.as_bytes().as_slice());
+        let live = common::purge_in_batches(store, |scope| async move {
+            let fingerprint = fp("a");
+            let mut tx = store.pool().begin().await.expect("tx");
+            for chunk in 0..5 {
+                let mut sql = format!(
+                    "INSERT INTO {} (scope, `key`, fingerprint, state, fence, deadline, response) VALUES ",
+                    store.table()
+                );
+                let rows: Vec<String> = (0..500)
+                    .map(|i| format!("(?, 'k{}', ?, 0, 1, 1, NULL)", chunk * 500 + i))
+                    .collect();
+                sql.push_str(&rows.join(", "));
+                let mut q = sqlx::query(&sql);
+                for _ in 0..500 {
+                    q = q
+                        .bind(scope.as_str().as_bytes())
+                        .bind(fingerprint.as_bytes().as_slice());
+                }
+                q.execute(&mut *tx).await.expect("seed");
             }
-            q.execute(&mut *tx).await.expect("seed");
-        }
-        tx.commit().await.expect("commit");
-        assert_eq!(store.purge_expired().await.expect("purge"), 2500);
-        expect_in_progress(store, &scope, &live.key, fp("a"), live.fence).await;
-        let left: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM `{}_fence`", h.tables.0))
-            .fetch_one(store.pool())
-            .await
-            .expect("count");
+            tx.commit().await.expect("commit");
+        })
+        .await;
+        let scope = live.scope.clone();
+        let left: i64 =
+            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM `{}_fence`", name_of(&h)))
+                .fetch_one(store.pool())
+                .await
+                .expect("count");
         assert_eq!(left, 1, "the newest fence row is kept");
         let next = acquire(store, &req(&scope, &fresh_key("next"), fp("a"), MIN)).await;
         assert!(next.fence > live.fence);

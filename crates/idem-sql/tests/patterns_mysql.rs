@@ -5,163 +5,70 @@
 
 mod patterns_common;
 
-use async_trait::async_trait;
 use idem_sql::patterns::{InsertOrGet, PatternError, SqlValue, StateMachine, Transition};
-use patterns_common::{self as pc, Backend};
-use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+use patterns_common::{self as pc, servers, Backend};
 use sqlx::{Connection, Executor};
 
-const START: &str = "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd";
+type My = pc::Db<sqlx::MySql>;
 
-fn url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
-
-struct My {
-    pool: MySqlPool,
-    db: String,
-    tag: String,
-}
-
-#[async_trait]
-impl Backend for My {
-    type Db = sqlx::MySql;
-    type Conn = sqlx::MySqlConnection;
-    fn pool(&self) -> &MySqlPool {
-        &self.pool
+/// Drops this run's tables (`pat_<tag>…`).
+async fn done(b: My) {
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(table_name AS CHAR) FROM information_schema.tables \
+         WHERE table_schema = DATABASE() AND table_name LIKE ?",
+    )
+    .bind(format!("pat\\_{}%", b.tag.replace('_', "\\_")))
+    .fetch_all(&b.pool)
+    .await
+    .expect("list tables");
+    for t in tables {
+        b.exec(&format!("DROP TABLE `{t}`")).await;
     }
-    fn auto_id(&self) -> &'static str {
-        "BIGINT AUTO_INCREMENT PRIMARY KEY"
-    }
-    fn table_opts(&self) -> &'static str {
-        " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
-    }
-    fn prefix(&self) -> String {
-        format!("{}.", self.db)
-    }
-    fn tag(&self) -> String {
-        self.tag.clone()
-    }
-    async fn exec(&self, sql: &str) {
-        sqlx::raw_sql(sql).execute(&self.pool).await.expect(sql);
-    }
-    async fn text(&self, sql: &str) -> Option<String> {
-        // Text columns with a `_bin` collation come back as binary.
-        sqlx::query_scalar::<_, Option<Vec<u8>>>(sql)
-            .fetch_optional(&self.pool)
-            .await
-            .expect(sql)
-            .flatten()
-            .map(|b| String::from_utf8(b).expect("utf-8"))
-    }
-    async fn int(&self, sql: &str) -> i64 {
-        sqlx::query_scalar::<_, i64>(sql)
-            .fetch_one(&self.pool)
-            .await
-            .expect(sql)
-    }
-}
-
-impl My {
-    async fn done(self) {
-        let tables: Vec<String> = sqlx::query_scalar(
-            "SELECT CAST(table_name AS CHAR) FROM information_schema.tables \
-             WHERE table_schema = DATABASE() AND table_name LIKE ?",
-        )
-        .bind(format!("pat\\_{}%", self.tag.replace('_', "\\_")))
-        .fetch_all(&self.pool)
-        .await
-        .expect("list tables");
-        for t in tables {
-            self.exec(&format!("DROP TABLE `{t}`")).await;
-        }
-        self.pool.close().await;
-    }
+    b.pool.close().await;
 }
 
 async fn my() -> My {
-    let url = url();
-    let pool = MySqlPoolOptions::new()
-        .max_connections(20)
-        .acquire_timeout(std::time::Duration::from_secs(10))
-        .after_connect(|conn, _| {
+    let pool = servers::my_pool_with(servers::pool_options::<sqlx::MySql>(20).after_connect(
+        |conn, _| {
             Box::pin(async move {
                 conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                     .await?;
                 Ok(())
             })
-        })
-        .connect(&url)
-        .await
-        .unwrap_or_else(|e| pc::connect_failed("MySQL/MariaDB", &url, &e, START));
+        },
+    ))
+    .await;
     let db: String = sqlx::query_scalar("SELECT CAST(DATABASE() AS CHAR)")
         .fetch_one(&pool)
         .await
         .expect("database");
     let tag = format!("{}_", idem_testkit::support::random_hex(6));
-    My { pool, db, tag }
+    My {
+        table_opts: " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+        namespace: db,
+        tag,
+        // Text columns with a `_bin` collation come back as binary.
+        text_as_bytes: true,
+        ..My::new(pool, "BIGINT AUTO_INCREMENT PRIMARY KEY")
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn i2_concurrent_transitions_one_winner() {
-    let b = my().await;
-    pc::i2_race(&b).await;
-    b.done().await;
-}
-
-#[tokio::test]
-async fn transition_answers() {
-    let b = my().await;
-    pc::transition_answers(&b).await;
-    b.done().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn versioned_updates() {
-    let b = my().await;
-    pc::versioned(&b).await;
-    b.done().await;
-}
-
-#[tokio::test]
-async fn insert_or_get_basics() {
-    let b = my().await;
-    pc::insert_or_get_basics(&b).await;
-    b.done().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn insert_or_get_16_connections() {
-    let b = my().await;
-    pc::insert_or_get_race(&b, |_, _| async { None }).await;
-    b.done().await;
-}
-
-/// 16 REPEATABLE READ transactions, each with its snapshot taken (a plain
-/// read of the table) before the race: the losers' plain reads could not
-/// see the winner's row; the locking read does.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn insert_or_get_16_repeatable_read_transactions() {
-    let b = my().await;
-    pc::insert_or_get_race(&b, |pool, t| async move {
+pc::pattern_checks!(
+    server: my(),
+    done,
+    transactions:
+    /// 16 REPEATABLE READ transactions, each with its snapshot taken (a plain
+    /// read of the table) before the race: the losers' plain reads could not
+    /// see the winner's row; the locking read does.
+    insert_or_get_16_repeatable_read_transactions = |pool, t| async move {
         let mut tx = pool.begin().await.expect("begin");
         let _: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
             .fetch_one(&mut *tx)
             .await
             .expect("snapshot");
         Some(tx)
-    })
-    .await;
-    b.done().await;
-}
-
-#[tokio::test]
-async fn bad_set_columns() {
-    let b = my().await;
-    pc::bad_set_columns(&b).await;
-    b.done().await;
-}
+    }
+);
 
 /// REPEATABLE READ transaction with a stale snapshot: a plain SELECT still
 /// says `pending`, but the transition answers `Conflict(completed)` (the
@@ -176,21 +83,10 @@ async fn repeatable_read_stale_snapshot_conflict_latest() {
     let read = format!("SELECT CAST(state AS CHAR) FROM {t} WHERE id = 0");
     let seen: String = sqlx::query_scalar(&read).fetch_one(&mut *tx).await.unwrap();
     assert_eq!(seen, "pending");
-    let mut other = b.pool.acquire().await.unwrap();
-    assert_eq!(
-        sm.transition(&mut *other, 0, &["pending"], "completed")
-            .await
-            .unwrap(),
-        Transition::Transitioned
-    );
+    pc::complete_elsewhere(&b, &sm, 0).await;
     let still: String = sqlx::query_scalar(&read).fetch_one(&mut *tx).await.unwrap();
     assert_eq!(still, "pending", "the snapshot is stale (REPEATABLE READ)");
-    assert_eq!(
-        sm.transition(&mut *tx, 0, &["pending"], "cancelled")
-            .await
-            .unwrap(),
-        Transition::Conflict("completed".into())
-    );
+    pc::expect_cancel_conflicts(&sm, &mut *tx).await;
     // AlreadyIn from the latest state too.
     assert_eq!(
         sm.transition(&mut *tx, 0, &["pending"], "completed")
@@ -199,8 +95,8 @@ async fn repeatable_read_stale_snapshot_conflict_latest() {
         Transition::AlreadyIn("completed".into())
     );
     tx.commit().await.unwrap();
-    drop((c, other));
-    b.done().await;
+    drop(c);
+    done(b).await;
 }
 
 /// A duplicate inside a REPEATABLE READ transaction whose snapshot predates
@@ -228,15 +124,7 @@ async fn insert_or_get_repeatable_read_invisible_row() {
     tx.commit().await.unwrap();
     assert_eq!(b.int(&format!("SELECT COUNT(*) FROM {t}")).await, 2);
     drop((c, other));
-    b.done().await;
-}
-
-/// Waiters behind a transaction that inserts the key and rolls back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn insert_or_get_after_holder_rolls_back() {
-    let b = my().await;
-    pc::insert_or_get_after_rollback(&b).await;
-    b.done().await;
+    done(b).await;
 }
 
 /// Regression: on MySQL a plain `INSERT` into a key column without a
@@ -278,7 +166,7 @@ async fn insert_or_get_needs_a_unique_key_column() {
     let r = missing.insert_or_get(&mut *c, "x", &[]).await;
     assert!(matches!(r, Err(PatternError::Database { .. })), "{r:?}");
     drop(c);
-    b.done().await;
+    done(b).await;
 }
 
 /// After an insert the id is the inserted row's own: `LAST_INSERT_ID()` for
@@ -313,7 +201,7 @@ async fn insert_or_get_returns_the_inserted_rows_id() {
     assert_eq!((g.id, g.inserted), (SqlValue::Text("g-1".into()), true));
     assert_eq!((g2.id, g2.inserted), (SqlValue::Text("g-1".into()), false));
     drop(c);
-    b.done().await;
+    done(b).await;
 }
 
 /// MySQL sends each call's parameter types with `COM_STMT_EXECUTE`, so a
@@ -333,16 +221,7 @@ async fn another_value_type_on_the_same_connection_is_sent_as_itself() {
     .await;
     let m = StateMachine::new(&t, "id", "state").unwrap();
     let mut c = b.pool.acquire().await.unwrap();
-    assert_eq!(
-        m.transition(&mut *c, 1, &["a"], "b").await.unwrap(),
-        Transition::Transitioned
-    );
-    assert_eq!(
-        m.transition(&mut *c, "12345678", &["a"], "b")
-            .await
-            .unwrap(),
-        Transition::NotFound
-    );
+    pc::text_id_after_int_id(&m, &mut *c).await;
     m.transition_setting(&mut *c, 1, &["b"], "c", &[("n", 5.into())])
         .await
         .unwrap();
@@ -360,5 +239,5 @@ async fn another_value_type_on_the_same_connection_is_sent_as_itself() {
         b.int(&format!("SELECT n FROM {t} WHERE id = 2")).await,
         12_345_678
     );
-    b.done().await;
+    done(b).await;
 }

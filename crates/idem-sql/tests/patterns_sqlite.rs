@@ -3,110 +3,41 @@
 
 mod patterns_common;
 
-use std::str::FromStr;
-
-use async_trait::async_trait;
 use idem_sql::patterns::{InsertOrGet, PatternError, StateMachine, Transition};
-use patterns_common::{self as pc, Backend};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{Connection, SqlitePool};
+use patterns_common::{self as pc, servers, Backend};
+use sqlx::Connection;
 
-struct Sqlite {
-    pool: SqlitePool,
-    _dir: tempfile::TempDir,
-}
-
-#[async_trait]
-impl Backend for Sqlite {
-    type Db = sqlx::Sqlite;
-    type Conn = sqlx::SqliteConnection;
-    fn pool(&self) -> &SqlitePool {
-        &self.pool
-    }
-    fn auto_id(&self) -> &'static str {
-        "INTEGER PRIMARY KEY"
-    }
-    fn prefix(&self) -> String {
-        String::new()
-    }
-    async fn exec(&self, sql: &str) {
-        sqlx::raw_sql(sql).execute(&self.pool).await.expect(sql);
-    }
-    async fn text(&self, sql: &str) -> Option<String> {
-        sqlx::query_scalar::<_, Option<String>>(sql)
-            .fetch_optional(&self.pool)
-            .await
-            .expect(sql)
-            .flatten()
-    }
-    async fn int(&self, sql: &str) -> i64 {
-        sqlx::query_scalar::<_, i64>(sql)
-            .fetch_one(&self.pool)
-            .await
-            .expect(sql)
-    }
-}
+type Sqlite = pc::Db<sqlx::Sqlite>;
 
 async fn sqlite() -> Sqlite {
     let dir = tempfile::tempdir().expect("tempdir");
-    let url = format!("sqlite://{}", dir.path().join("p.db").display());
-    let opts = SqliteConnectOptions::from_str(&url)
-        .expect("url")
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal)
-        .busy_timeout(std::time::Duration::from_secs(30));
-    let pool = SqlitePoolOptions::new()
-        .max_connections(20)
-        .connect_with(opts)
-        .await
-        .expect("open sqlite");
-    Sqlite { pool, _dir: dir }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn i2_concurrent_transitions_one_winner() {
-    pc::i2_race(&sqlite().await).await;
-}
-
-#[tokio::test]
-async fn transition_answers() {
-    pc::transition_answers(&sqlite().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn versioned_updates() {
-    pc::versioned(&sqlite().await).await;
-}
-
-#[tokio::test]
-async fn insert_or_get_basics() {
-    pc::insert_or_get_basics(&sqlite().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn insert_or_get_16_connections() {
-    pc::insert_or_get_race(&sqlite().await, |_, _| async { None }).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn insert_or_get_16_transactions() {
-    // Deferred transactions, opened before the start line (an IMMEDIATE
-    // one would take the write lock there, before its task runs); with no
-    // read before the insert, no snapshot can go stale.
-    pc::insert_or_get_race(&sqlite().await, |pool, _| async move {
-        Some(pool.begin().await.expect("begin"))
-    })
+    let pool = servers::sqlite_file_pool(
+        &dir.path().join("p.db"),
+        20,
+        std::time::Duration::from_secs(30),
+    )
     .await;
+    Sqlite {
+        keep: Some(Box::new(dir)),
+        ..Sqlite::new(pool, "INTEGER PRIMARY KEY")
+    }
 }
+
+pc::pattern_checks!(
+    sqlite(),
+    pc::close,
+    transactions:
+    /// Deferred transactions, opened before the start line (an IMMEDIATE
+    /// one would take the write lock there, before its task runs); with no
+    /// read before the insert, no snapshot can go stale.
+    insert_or_get_16_transactions = |pool, _| async move {
+        Some(pool.begin().await.expect("begin"))
+    }
+);
 
 #[test]
 fn bad_identifiers() {
     pc::bad_identifiers();
-}
-
-#[tokio::test]
-async fn bad_set_columns() {
-    pc::bad_set_columns(&sqlite().await).await;
 }
 
 /// A read transaction whose snapshot went stale cannot write: the
@@ -124,26 +55,12 @@ async fn stale_read_snapshot_is_a_serialization_failure() {
         .await
         .unwrap();
     assert_eq!(seen, "pending");
-    let mut other = b.pool.acquire().await.unwrap();
-    assert_eq!(
-        sm.transition(&mut *other, 0, &["pending"], "completed")
-            .await
-            .unwrap(),
-        Transition::Transitioned
-    );
-    match sm.transition(&mut *tx, 0, &["pending"], "cancelled").await {
-        Err(e @ PatternError::SerializationFailure { .. }) => assert!(e.is_retryable()),
-        other => panic!("expected SerializationFailure, got {other:?}"),
-    }
+    pc::complete_elsewhere(&b, &sm, 0).await;
+    pc::expect_serialization_failure(sm.transition(&mut *tx, 0, &["pending"], "cancelled").await);
     tx.rollback().await.unwrap();
     // Retried in a fresh transaction: the current state.
     let mut tx = reader.begin().await.unwrap();
-    assert_eq!(
-        sm.transition(&mut *tx, 0, &["pending"], "cancelled")
-            .await
-            .unwrap(),
-        Transition::Conflict("completed".into())
-    );
+    pc::expect_cancel_conflicts(&sm, &mut *tx).await;
     tx.commit().await.unwrap();
 }
 
@@ -231,16 +148,7 @@ async fn another_value_type_on_the_same_connection_is_sent_as_itself() {
     .await;
     let m = StateMachine::new("types", "id", "state").unwrap();
     let mut c = b.pool.acquire().await.unwrap();
-    assert_eq!(
-        m.transition(&mut *c, 1, &["a"], "b").await.unwrap(),
-        Transition::Transitioned
-    );
-    assert_eq!(
-        m.transition(&mut *c, "12345678", &["a"], "b")
-            .await
-            .unwrap(),
-        Transition::NotFound
-    );
+    pc::text_id_after_int_id(&m, &mut *c).await;
     let plain = InsertOrGet::new("plain", "id", "k").unwrap();
     let r = plain.insert_or_get(&mut *c, "x", &[]).await;
     assert!(matches!(r, Err(PatternError::Database { .. })), "{r:?}");

@@ -5,25 +5,22 @@
 //!
 //! `cargo test -p idem-sql sqlite_tests` runs them all.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
-use async_trait::async_trait;
+use common::MIN;
 use idem_core::{Begin, ManualClock, Phase, Scope, Store, StoreError};
 use idem_sql::{SqliteOptions, SqliteStore};
 use idem_testkit::support::{
     acquire, expect_in_flight, expect_replay, fp, fresh_key, fresh_scope, req, response,
     rich_response,
 };
-use idem_testkit::Harness;
+use idem_testkit::{Harness, KeptHarness};
 use tempfile::TempDir;
 
 /// A fresh database file per check, on a [`ManualClock`].
-struct SqliteHarness {
-    store: SqliteStore,
-    clock: ManualClock,
-    _dir: TempDir,
-}
+type SqliteHarness = KeptHarness<SqliteStore, TempDir>;
 
 async fn sqlite_harness() -> SqliteHarness {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -33,32 +30,13 @@ async fn sqlite_harness() -> SqliteHarness {
         .await
         .expect("open")
         .with_clock(clock.clone());
-    SqliteHarness {
-        store,
-        clock,
-        _dir: dir,
-    }
-}
-
-#[async_trait]
-impl Harness for SqliteHarness {
-    type S = SqliteStore;
-
-    fn store(&self) -> SqliteStore {
-        self.store.clone()
-    }
-
-    async fn advance(&self, d: Duration) {
-        self.clock.advance(d);
-    }
+    SqliteHarness::on_clock(store, clock, dir)
 }
 
 mod sqlite_tests {
     use super::*;
 
     idem_testkit::conformance_tests!(conformance, sqlite_harness);
-
-    const MIN: Duration = Duration::from_secs(60);
 
     fn db_path(dir: &TempDir) -> String {
         dir.path()
@@ -129,32 +107,9 @@ mod sqlite_tests {
         let b = SqliteStore::open(&path).await.expect("open b");
         let (scope, key) = (fresh_scope(), fresh_key("two-pools"));
         let r = req(&scope, &key, fp("a"), MIN);
-        let barrier = Arc::new(tokio::sync::Barrier::new(32));
-        let tasks: Vec<_> = (0..32)
-            .map(|i| {
-                let store = if i % 2 == 0 { a.clone() } else { b.clone() };
-                let (r, barrier) = (r.clone(), barrier.clone());
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    store.begin(&r).await
-                })
-            })
-            .collect();
-        let mut acquired = Vec::new();
-        for t in tasks {
-            match t.await.expect("task").expect("begin") {
-                Begin::Acquired(l) => acquired.push(l),
-                Begin::InFlight { .. } => {}
-                other => panic!("unexpected {other:?}"),
-            }
-        }
-        assert_eq!(
-            acquired.len(),
-            1,
-            "one winner across two pools: {acquired:?}"
-        );
+        let won = idem_testkit::server_checks::race_begins(&a, &b, &r, 32).await;
         // Both pools see the winner's claim and result.
-        b.complete(&acquired[0], &response("won"), MIN)
+        b.complete(&won, &response("won"), MIN)
             .await
             .expect("complete through the other pool");
         expect_replay(&a, &r, &response("won")).await;
@@ -165,46 +120,26 @@ mod sqlite_tests {
     async fn corrupt_rows_are_corrupt_errors() {
         let h = sqlite_harness().await;
         let store = h.store();
-        let scope = fresh_scope();
-        let mut keys = Vec::new();
-        for label in ["blob", "null", "fp"] {
-            let key = fresh_key(label);
-            let l = acquire(&store, &req(&scope, &key, fp("a"), MIN)).await;
-            store
-                .complete(&l, &response("ok"), MIN)
-                .await
-                .expect("complete");
-            keys.push(key);
-        }
-        let corrupt = [
-            "UPDATE idem_records SET response = x'deadbeef' WHERE scope = ?1 AND key = ?2",
-            "UPDATE idem_records SET response = NULL WHERE scope = ?1 AND key = ?2",
-            "UPDATE idem_records SET fingerprint = x'00' WHERE scope = ?1 AND key = ?2",
-        ];
-        for (sql, key) in corrupt.iter().zip(&keys) {
-            sqlx::query(sql)
+        let pool = store.pool().clone();
+        common::corrupt_rows(&store, |scope, key, what| {
+            let set = match what {
+                "response" => "response = x'deadbeef'",
+                "null-response" => "response = NULL",
+                _ => "fingerprint = x'00'",
+            };
+            let pool = pool.clone();
+            async move {
+                sqlx::query(&format!(
+                    "UPDATE idem_records SET {set} WHERE scope = ?1 AND key = ?2"
+                ))
                 .bind(scope.as_str())
                 .bind(key.as_str())
-                .execute(store.pool())
+                .execute(&pool)
                 .await
                 .expect("corrupt the row");
-            match store.begin(&req(&scope, key, fp("a"), MIN)).await {
-                Err(StoreError::Corrupt {
-                    phase: Phase::Begin,
-                    detail,
-                }) => assert!(!detail.is_empty()),
-                other => panic!("{sql}: begin must report Corrupt, got {other:?}"),
             }
-            match store.get(&scope, key).await {
-                Err(StoreError::Corrupt {
-                    phase: Phase::Get, ..
-                }) => {}
-                other => panic!("{sql}: get must report Corrupt, got {other:?}"),
-            }
-            // An operator can still delete it, and the key works again.
-            assert!(store.delete(&scope, key).await.expect("delete"));
-            acquire(&store, &req(&scope, key, fp("a"), MIN)).await;
-        }
+        })
+        .await;
     }
 
     /// A database held by another writer past the busy timeout: the call

@@ -45,8 +45,10 @@
 pub mod bench;
 pub mod engine_checks;
 mod faulty;
+mod kept;
 pub mod lock_checks;
 mod macros;
+pub mod server_checks;
 pub mod store_checks;
 pub mod support;
 pub mod token_checks;
@@ -56,6 +58,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 pub use faulty::{Fault, FaultyStore};
 use idem_core::{ManualClock, MemoryLimits, MemoryStore};
+pub use kept::KeptHarness;
 
 /// What the suite needs from a store under test: the store, and a way to let
 /// time pass without the check sleeping when the store's clock can be moved.

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::BoxError;
-use idem_mq::inbox::{Inbox, InboxOptions};
 use idem_mq::{
-    Dedup, DedupOptions, Message, MessageHandler, Outcome, Processor, SqlInbox, TxHandler,
+    Dedup, DedupOptions, Message, MessageHandler, MessageKey, Outcome, Processor, Report, SqlInbox,
+    TxHandler,
 };
 use sqlx::Transaction;
 
@@ -78,49 +78,39 @@ impl Credit {
     }
 }
 
-#[async_trait]
-impl TxHandler<sqlx::Sqlite> for Credit {
-    async fn handle(
-        &self,
-        tx: &mut Transaction<'static, sqlx::Sqlite>,
-        msg: &Message,
-    ) -> Result<(), BoxError> {
-        let id = payment_id(msg)?;
-        sqlx::query(&format!(
-            "INSERT INTO {} (payment_id, cents) VALUES (?1, 500)",
-            self.table
-        ))
-        .bind(id)
-        .execute(&mut **tx)
-        .await?;
-        if self.should_fail() {
-            return Err("injected failure after the business write".into());
+/// `impl TxHandler<$db> for Credit`: `$insert` inserts `(payment_id, 500)`
+/// into the table `{}`.
+macro_rules! credit_handler {
+    ($db:ty, $insert:literal) => {
+        #[async_trait]
+        impl TxHandler<$db> for Credit {
+            async fn handle(
+                &self,
+                tx: &mut Transaction<'static, $db>,
+                msg: &Message,
+            ) -> Result<(), BoxError> {
+                let id = payment_id(msg)?;
+                sqlx::query(&format!($insert, self.table))
+                    .bind(id)
+                    .execute(&mut **tx)
+                    .await?;
+                if self.should_fail() {
+                    return Err("injected failure after the business write".into());
+                }
+                Ok(())
+            }
         }
-        Ok(())
-    }
+    };
 }
 
-#[async_trait]
-impl TxHandler<sqlx::Postgres> for Credit {
-    async fn handle(
-        &self,
-        tx: &mut Transaction<'static, sqlx::Postgres>,
-        msg: &Message,
-    ) -> Result<(), BoxError> {
-        let id = payment_id(msg)?;
-        sqlx::query(&format!(
-            "INSERT INTO {} (payment_id, cents) VALUES ($1, 500)",
-            self.table
-        ))
-        .bind(id)
-        .execute(&mut **tx)
-        .await?;
-        if self.should_fail() {
-            return Err("injected failure after the business write".into());
-        }
-        Ok(())
-    }
-}
+credit_handler!(
+    sqlx::Sqlite,
+    "INSERT INTO {} (payment_id, cents) VALUES (?1, 500)"
+);
+credit_handler!(
+    sqlx::Postgres,
+    "INSERT INTO {} (payment_id, cents) VALUES ($1, 500)"
+);
 
 /// The store-dedup handler: effects counted in memory per payment id.
 #[derive(Debug, Default)]
@@ -160,56 +150,46 @@ pub type PgLedger = SqlInbox<sqlx::Postgres, Credit>;
 pub type RedisLedger = Dedup<idem_redis::RedisStore, CountingCredit>;
 pub type MemoryLedger = Dedup<Arc<idem_core::MemoryStore>, CountingCredit>;
 
-async fn group_sqlite(pool: &sqlx::SqlitePool, table: &str) -> HashMap<String, i64> {
-    let sql = format!("SELECT payment_id, count(*) FROM {table} GROUP BY payment_id");
-    let rows: Vec<(String, i64)> = sqlx::query_as(&sql)
-        .fetch_all(pool)
-        .await
-        .expect("count effects");
-    rows.into_iter().collect()
-}
-
-async fn group_pg(pool: &sqlx::PgPool, table: &str) -> HashMap<String, i64> {
-    let sql = format!("SELECT payment_id, count(*) FROM {table} GROUP BY payment_id");
-    let rows: Vec<(String, i64)> = sqlx::query_as(&sql)
-        .fetch_all(pool)
-        .await
-        .expect("count effects");
-    rows.into_iter().collect()
-}
-
-#[async_trait]
-impl Ledger for SqliteLedger {
-    async fn effects(&self) -> HashMap<String, i64> {
-        group_sqlite(self.inbox().pool(), &self.handler().table).await
-    }
-    fn fail_next(&self, n: u32) {
-        self.handler().fail_first.store(n, Ordering::SeqCst);
-    }
-    async fn cleanup(&self) {}
-}
-
-#[async_trait]
-impl Ledger for PgLedger {
-    async fn effects(&self) -> HashMap<String, i64> {
-        group_pg(self.inbox().pool(), &self.handler().table).await
-    }
-    fn fail_next(&self, n: u32) {
-        self.handler().fail_first.store(n, Ordering::SeqCst);
-    }
-    async fn cleanup(&self) {
-        let t = &self.handler().table;
-        for table in [t.clone(), format!("{t}_inbox")] {
-            sqlx::query(&format!("DROP TABLE IF EXISTS {table}"))
-                .execute(self.inbox().pool())
-                .await
-                .expect("drop");
+/// `impl Ledger for SqlInbox<$db, Credit>`; `$drop` drops the credits and
+/// inbox tables at the end (a temporary SQLite file needs nothing).
+macro_rules! sql_ledger {
+    ($db:ty, drop_tables: $drop:expr) => {
+        #[async_trait]
+        impl Ledger for SqlInbox<$db, Credit> {
+            async fn effects(&self) -> HashMap<String, i64> {
+                let table = &self.handler().table;
+                let sql = format!("SELECT payment_id, count(*) FROM {table} GROUP BY payment_id");
+                let rows: Vec<(String, i64)> = sqlx::query_as(&sql)
+                    .fetch_all(self.inbox().pool())
+                    .await
+                    .expect("count effects");
+                rows.into_iter().collect()
+            }
+            fn fail_next(&self, n: u32) {
+                self.handler().fail_first.store(n, Ordering::SeqCst);
+            }
+            async fn cleanup(&self) {
+                if !$drop {
+                    return;
+                }
+                let t = &self.handler().table;
+                for table in [t.clone(), format!("{t}_inbox")] {
+                    sqlx::query(&format!("DROP TABLE IF EXISTS {table}"))
+                        .execute(self.inbox().pool())
+                        .await
+                        .expect("drop");
+                }
+            }
         }
-    }
+    };
 }
 
+sql_ledger!(sqlx::Sqlite, drop_tables: false);
+sql_ledger!(sqlx::Postgres, drop_tables: true);
+
+/// The store dedup, on any store: effects counted in memory.
 #[async_trait]
-impl Ledger for MemoryLedger {
+impl<S: idem_core::Store + Send + Sync + 'static> Ledger for Dedup<S, CountingCredit> {
     async fn effects(&self) -> HashMap<String, i64> {
         self.handler()
             .effects
@@ -225,50 +205,51 @@ impl Ledger for MemoryLedger {
     async fn cleanup(&self) {}
 }
 
-#[async_trait]
-impl Ledger for RedisLedger {
-    async fn effects(&self) -> HashMap<String, i64> {
-        self.handler()
-            .effects
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| (k.clone(), i64::from(*v)))
-            .collect()
-    }
-    fn fail_next(&self, n: u32) {
-        self.handler().fail_first.store(n, Ordering::SeqCst);
-    }
-    async fn cleanup(&self) {}
+/// A credits table `credits_<random>` (made by `$credits`, `{}` the name)
+/// and its inbox `<credits>_inbox`, migrated, on `$pool`: `(table, inbox)`.
+#[allow(unused_macros)]
+macro_rules! inbox_on {
+    ($pool:expr, $credits:literal) => {{
+        let pool = $pool;
+        let table = format!("credits_{}", $crate::common::suffix());
+        sqlx::query(&format!($credits, table))
+            .execute(&pool)
+            .await
+            .unwrap();
+        let inbox = idem_mq::inbox::Inbox::with_options(
+            pool,
+            idem_mq::inbox::InboxOptions::default().with_table(format!("{table}_inbox")),
+        )
+        .unwrap();
+        inbox.migrate().await.unwrap();
+        (table, inbox)
+    }};
 }
+#[allow(unused_imports)]
+pub(crate) use inbox_on;
 
 pub async fn sqlite_ledger() -> SqliteLedger {
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
     let dir = Box::leak(Box::new(tempfile::tempdir().expect("tempdir")));
+    let (table, inbox) = inbox_on!(
+        sqlite_pool(&dir.path().join("ledger.db")).await,
+        "CREATE TABLE {} (payment_id TEXT NOT NULL, cents INTEGER NOT NULL)"
+    );
+    SqlInbox::new(inbox, Credit::new(table))
+}
+
+/// A pool of 4 on the SQLite file `path` (created), WAL, 10 s busy timeout.
+pub async fn sqlite_pool(path: &std::path::Path) -> sqlx::SqlitePool {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
     let opts = SqliteConnectOptions::new()
-        .filename(dir.path().join("ledger.db"))
+        .filename(path)
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(10));
-    let pool = SqlitePoolOptions::new()
+    SqlitePoolOptions::new()
         .max_connections(4)
         .connect_with(opts)
         .await
-        .expect("sqlite");
-    let table = format!("credits_{}", suffix());
-    sqlx::query(&format!(
-        "CREATE TABLE {table} (payment_id TEXT NOT NULL, cents INTEGER NOT NULL)"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let inbox = Inbox::with_options(
-        pool,
-        InboxOptions::default().with_table(format!("{table}_inbox")),
-    )
-    .unwrap();
-    inbox.migrate().await.unwrap();
-    SqlInbox::new(inbox, Credit::new(table))
+        .expect("sqlite")
 }
 
 pub fn pg_url() -> String {
@@ -289,20 +270,10 @@ pub async fn pg_pool() -> sqlx::PgPool {
 }
 
 pub async fn pg_ledger() -> PgLedger {
-    let pool = pg_pool().await;
-    let table = format!("credits_{}", suffix());
-    sqlx::query(&format!(
-        "CREATE TABLE {table} (payment_id TEXT NOT NULL, cents BIGINT NOT NULL)"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let inbox = Inbox::with_options(
-        pool,
-        InboxOptions::default().with_table(format!("{table}_inbox")),
-    )
-    .unwrap();
-    inbox.migrate().await.unwrap();
+    let (table, inbox) = inbox_on!(
+        pg_pool().await,
+        "CREATE TABLE {} (payment_id TEXT NOT NULL, cents BIGINT NOT NULL)"
+    );
     SqlInbox::new(inbox, Credit::new(table))
 }
 
@@ -339,19 +310,60 @@ impl<P: Processor> Processor for Counted<P> {
 }
 
 /// Waits (bounded) until `cond` holds.
-pub async fn eventually<F, Fut>(bound: Duration, mut cond: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let end = tokio::time::Instant::now() + bound;
-    loop {
-        if cond().await {
-            return true;
-        }
-        if tokio::time::Instant::now() > end {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+#[allow(unused_imports)]
+pub use idem_testkit::support::eventually;
+
+/// A broker under test.
+#[async_trait]
+pub trait Broker: Sync {
+    /// Publishes [`payment`]`(payment_id)`, with `id` as its message id.
+    async fn publish(&self, id: Option<&str>, payment_id: &str);
+}
+
+/// Publishes `pay-{i}` with the id `pay-{i}` for every `i` in `ids`.
+pub async fn publish_payments<B: Broker>(broker: &B, ids: impl Iterator<Item = usize>) {
+    for i in ids {
+        let id = format!("pay-{i}");
+        broker.publish(Some(&id), &id).await;
     }
 }
+
+/// `pay-0` … `pay-{n-1}`; then, after `pause`, every third of them again.
+pub async fn publish_with_duplicates<B: Broker>(broker: &B, n: usize, pause: Duration) {
+    publish_payments(broker, 0..n).await;
+    tokio::time::sleep(pause).await;
+    publish_payments(broker, (0..n).step_by(3)).await;
+}
+
+/// After [`publish_with_duplicates`] and a consumer that committed 4 and
+/// died: exactly `n` effects, one each, and `n - 4` applied by `report`.
+pub async fn assert_each_once<L: Ledger>(ledger: &L, report: &Report, n: usize) {
+    let effects = ledger.effects().await;
+    assert_eq!(effects.len(), n, "{report:?}");
+    assert!(effects.values().all(|&v| v == 1), "{effects:?}");
+    assert_eq!(report.applied, n as u64 - 4, "{report:?}");
+}
+
+/// `id` was processed before by this consumer, from `stream`.
+pub async fn processed_before<L: Ledger>(ledger: &L, stream: &str, id: &str) {
+    let key = MessageKey::new("payments", id).unwrap().with_stream(stream);
+    let earlier = Message {
+        key: Some(key),
+        payload: payment(id),
+        delivery_attempt: 1,
+    };
+    assert!(matches!(ledger.process(&earlier).await, Outcome::Applied));
+}
+
+/// One `#[tokio::test]` per `name = ledger`: `scenario(common::ledger().await)`.
+#[allow(unused_macros)]
+macro_rules! per_ledger {
+    ($scenario:ident: $($name:ident = $ledger:ident),* $(,)?) => {$(
+        #[tokio::test]
+        async fn $name() {
+            $scenario($crate::common::$ledger().await).await;
+        }
+    )*};
+}
+#[allow(unused_imports)]
+pub(crate) use per_ledger;

@@ -174,15 +174,9 @@ impl Server {
             ],
         ];
         for args in steps {
-            let out = Command::new("openssl")
-                .args(args)
-                .stdin(Stdio::null())
-                .output()
-                .expect("run openssl");
-            assert!(
-                out.status.success(),
-                "openssl {args:?} failed: {}",
-                String::from_utf8_lossy(&out.stderr)
+            run_ok(
+                Command::new("openssl").args(args),
+                &format!("openssl {args:?}"),
             );
         }
         let port_s = port.to_string();
@@ -305,4 +299,39 @@ pub fn cli(port: u16, args: &[&str]) -> String {
         .output()
         .expect("run redis-cli");
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs `cmd` (stdin closed) and fails the test unless it succeeds;
+/// returns its output.
+pub fn run_ok(cmd: &mut Command, what: &str) -> std::process::Output {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A task that waits (up to 20 s) for a change of `key` and returns how
+/// long it waited.
+pub fn spawn_waiter(
+    store: &RedisStore,
+    scope: &idem_core::Scope,
+    key: &idem_core::IdempotencyKey,
+) -> tokio::task::JoinHandle<Duration> {
+    use idem_core::Store;
+    let (store, scope, key) = (store.clone(), scope.clone(), key.clone());
+    tokio::spawn(async move {
+        let t = Instant::now();
+        store
+            .wait_for_change(&scope, &key, Duration::from_secs(20))
+            .await
+            .expect("wait");
+        t.elapsed()
+    })
 }

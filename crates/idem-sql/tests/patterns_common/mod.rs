@@ -7,12 +7,16 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use idem_sql::patterns::{
-    InsertOrGet, PatternError, SqlConnection, SqlValue, StateMachine, Transition, Versioned,
-    VersionedUpdate,
+    Created, InsertOrGet, PatternError, SqlConnection, SqlValue, StateMachine, Transition,
+    Versioned, VersionedUpdate,
 };
 use tokio::sync::Barrier;
 
-/// One database under test.
+#[path = "../servers/mod.rs"]
+pub mod servers;
+
+/// One database under test: a pool and what its dialect needs in the
+/// checks' DDL. Implemented once, by [`Db`], for every sqlx database.
 #[async_trait]
 pub trait Backend: Send + Sync + 'static {
     type Db: sqlx::Database<Connection = Self::Conn>;
@@ -21,18 +25,162 @@ pub trait Backend: Send + Sync + 'static {
     /// Column definition of an auto-generated integer primary key.
     fn auto_id(&self) -> &'static str;
     /// Appended to CREATE TABLE (MySQL: the utf8mb4 charset).
-    fn table_opts(&self) -> &'static str {
-        ""
-    }
+    fn table_opts(&self) -> &'static str;
     /// Where the tables go: "" or "schema.".
     fn prefix(&self) -> String;
     /// Put at the start of every table name of this run (for cleanup).
-    fn tag(&self) -> String {
-        String::new()
-    }
+    fn tag(&self) -> String;
     async fn exec(&self, sql: &str);
     async fn text(&self, sql: &str) -> Option<String>;
     async fn int(&self, sql: &str) -> i64;
+}
+
+/// A database under test.
+pub struct Db<DB: sqlx::Database> {
+    pub pool: sqlx::Pool<DB>,
+    /// Column definition of an auto-generated integer primary key.
+    pub auto_id: &'static str,
+    /// Appended to CREATE TABLE.
+    pub table_opts: &'static str,
+    /// The schema (PostgreSQL) or database (MySQL) the tables go in, or "".
+    pub namespace: String,
+    /// Put at the start of every table name of this run (for cleanup).
+    pub tag: String,
+    /// Text comes back as bytes (MySQL: columns with a `_bin` collation).
+    pub text_as_bytes: bool,
+    /// Kept alive as long as the database (a temporary folder).
+    pub keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl<DB: sqlx::Database> Db<DB> {
+    /// A database with plain DDL on `pool`.
+    pub fn new(pool: sqlx::Pool<DB>, auto_id: &'static str) -> Self {
+        Self {
+            pool,
+            auto_id,
+            table_opts: "",
+            namespace: String::new(),
+            tag: String::new(),
+            text_as_bytes: false,
+            keep: None,
+        }
+    }
+}
+
+#[async_trait]
+impl<DB> Backend for Db<DB>
+where
+    DB: sqlx::Database,
+    DB::Connection: SqlConnection,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'r> (i64,): sqlx::FromRow<'r, DB::Row>,
+    for<'r> (Option<String>,): sqlx::FromRow<'r, DB::Row>,
+    for<'r> (Option<Vec<u8>>,): sqlx::FromRow<'r, DB::Row>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    type Db = DB;
+    type Conn = DB::Connection;
+    fn pool(&self) -> &sqlx::Pool<DB> {
+        &self.pool
+    }
+    fn auto_id(&self) -> &'static str {
+        self.auto_id
+    }
+    fn table_opts(&self) -> &'static str {
+        self.table_opts
+    }
+    fn prefix(&self) -> String {
+        if self.namespace.is_empty() {
+            String::new()
+        } else {
+            format!("{}.", self.namespace)
+        }
+    }
+    fn tag(&self) -> String {
+        self.tag.clone()
+    }
+    async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(sql).execute(&self.pool).await.expect(sql);
+    }
+    async fn text(&self, sql: &str) -> Option<String> {
+        if !self.text_as_bytes {
+            return sqlx::query_scalar::<_, Option<String>>(sql)
+                .fetch_optional(&self.pool)
+                .await
+                .expect(sql)
+                .flatten();
+        }
+        sqlx::query_scalar::<_, Option<Vec<u8>>>(sql)
+            .fetch_optional(&self.pool)
+            .await
+            .expect(sql)
+            .flatten()
+            .map(|b| String::from_utf8(b).expect("utf-8"))
+    }
+    async fn int(&self, sql: &str) -> i64 {
+        sqlx::query_scalar::<_, i64>(sql)
+            .fetch_one(&self.pool)
+            .await
+            .expect(sql)
+    }
+}
+
+/// Writes, at the call site, the `#[tokio::test]`s every database runs:
+/// `$open` is an async expression giving a [`Db`], `$done` an async
+/// function that takes it back at the end (dropping its tables);
+/// `transactions` names the 16-transactions race and gives its `begin`
+/// (see [`insert_or_get_race`]).
+macro_rules! pattern_checks {
+    ($open:expr, $done:expr, transactions: $(#[$doc:meta])* $tx_name:ident = $begin:expr) => {
+        $(#[$doc])*
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn $tx_name() {
+            let b = $open.await;
+            $crate::patterns_common::insert_or_get_race(&b, $begin).await;
+            $done(b).await;
+        }
+        $crate::patterns_common::pattern_checks!($open, $done);
+    };
+    ($open:expr, $done:expr) => {
+        $crate::patterns_common::pattern_checks!(@test i2_concurrent_transitions_one_winner,
+            (flavor = "multi_thread", worker_threads = 4), $open, $done,
+            |b| $crate::patterns_common::i2_race(&b));
+        $crate::patterns_common::pattern_checks!(@test transition_answers, (), $open, $done,
+            |b| $crate::patterns_common::transition_answers(&b));
+        $crate::patterns_common::pattern_checks!(@test versioned_updates,
+            (flavor = "multi_thread", worker_threads = 4), $open, $done,
+            |b| $crate::patterns_common::versioned(&b));
+        $crate::patterns_common::pattern_checks!(@test insert_or_get_basics, (), $open, $done,
+            |b| $crate::patterns_common::insert_or_get_basics(&b));
+        $crate::patterns_common::pattern_checks!(@test insert_or_get_16_connections,
+            (flavor = "multi_thread", worker_threads = 4), $open, $done,
+            |b| $crate::patterns_common::insert_or_get_race(&b, |_, _| async { None }));
+        $crate::patterns_common::pattern_checks!(@test bad_set_columns, (), $open, $done,
+            |b| $crate::patterns_common::bad_set_columns(&b));
+    };
+    // The servers' checks: the above, and waiters behind a transaction that
+    // inserts the key and rolls back.
+    (server: $open:expr, $done:expr, transactions: $(#[$doc:meta])* $tx_name:ident = $begin:expr) => {
+        $crate::patterns_common::pattern_checks!($open, $done,
+            transactions: $(#[$doc])* $tx_name = $begin);
+        $crate::patterns_common::pattern_checks!(@test insert_or_get_after_holder_rolls_back,
+            (flavor = "multi_thread", worker_threads = 4), $open, $done,
+            |b| $crate::patterns_common::insert_or_get_after_rollback(&b));
+    };
+    (@test $name:ident, ($($flavor:tt)*), $open:expr, $done:expr, |$b:ident| $check:expr) => {
+        #[::tokio::test($($flavor)*)]
+        async fn $name() {
+            let $b = $open.await;
+            $check.await;
+            $done($b).await;
+        }
+    };
+}
+pub(crate) use pattern_checks;
+
+/// Closes a database's pool (the end of a check on SQLite).
+pub async fn close<DB: sqlx::Database>(b: Db<DB>) {
+    b.pool.close().await;
 }
 
 /// A fresh table name (with the backend's schema prefix).
@@ -396,24 +544,84 @@ where
                 }
             }));
         }
-        let mut ids = Vec::new();
-        let mut inserted = 0;
-        for task in tasks {
-            let c = task
-                .await
-                .expect("task")
-                .unwrap_or_else(|e| panic!("round {round}: insert_or_get failed: {e} ({e:?})"));
-            inserted += usize::from(c.inserted);
-            ids.push(c.id);
-        }
-        assert_eq!(inserted, 1, "round {round}: exactly one inserted");
-        assert!(ids.iter().all(|id| *id == ids[0]), "same id: {ids:?}");
-        assert_eq!(
-            b.int(&format!("SELECT COUNT(*) FROM {t} WHERE biz_key = '{key}'"))
-                .await,
-            1
-        );
+        one_row_one_id(b, &t, &key, round, tasks).await;
     }
+}
+
+/// Another connection moves row `id` from `pending` to `completed` (while a
+/// check's transaction holds an older snapshot).
+pub async fn complete_elsewhere<B: Backend>(b: &B, sm: &StateMachine, id: i64) {
+    let mut other = b.pool().acquire().await.expect("conn");
+    assert_eq!(
+        sm.transition(&mut *other, id, &["pending"], "completed")
+            .await
+            .unwrap(),
+        Transition::Transitioned
+    );
+}
+
+/// `pending → cancelled` of row 0 on `c` answers `Conflict(completed)`: the
+/// latest committed state, whatever `c`'s snapshot saw.
+pub async fn expect_cancel_conflicts<C: SqlConnection>(sm: &StateMachine, c: &mut C) {
+    assert_eq!(
+        sm.transition(c, 0, &["pending"], "cancelled")
+            .await
+            .unwrap(),
+        Transition::Conflict("completed".into())
+    );
+}
+
+/// `r` is the typed retryable error of a stale snapshot.
+pub fn expect_serialization_failure<T: std::fmt::Debug>(r: Result<T, PatternError>) {
+    match r {
+        Err(e @ PatternError::SerializationFailure { .. }) => assert!(e.is_retryable()),
+        other => panic!("expected SerializationFailure, got {other:?}"),
+    }
+}
+
+/// Awaits the racing insert-or-gets of `key` into `t`: no error, exactly
+/// one `inserted`, the same id for all, one row with the key. Returns the id.
+async fn one_row_one_id<B: Backend>(
+    b: &B,
+    t: &str,
+    key: &str,
+    round: usize,
+    tasks: Vec<tokio::task::JoinHandle<Result<Created, PatternError>>>,
+) -> SqlValue {
+    let mut ids = Vec::new();
+    let mut inserted = 0;
+    for task in tasks {
+        let c = task
+            .await
+            .expect("task")
+            .unwrap_or_else(|e| panic!("round {round}: insert_or_get failed: {e} ({e:?})"));
+        inserted += usize::from(c.inserted);
+        ids.push(c.id);
+    }
+    assert_eq!(inserted, 1, "round {round}: exactly one inserted");
+    assert!(ids.iter().all(|id| *id == ids[0]), "same id: {ids:?}");
+    assert_eq!(
+        b.int(&format!("SELECT COUNT(*) FROM {t} WHERE biz_key = '{key}'"))
+            .await,
+        1
+    );
+    ids.swap_remove(0)
+}
+
+/// On `c`, row 1 of `m`'s table moves `a → b` by an `I64` id; then the
+/// text `"12345678"` (the bytes of a row's big-endian id) finds no row:
+/// each call's values are sent as themselves.
+pub async fn text_id_after_int_id<C: SqlConnection>(m: &StateMachine, c: &mut C) {
+    assert_eq!(
+        m.transition(&mut *c, 1, &["a"], "b").await.unwrap(),
+        Transition::Transitioned
+    );
+    assert_eq!(
+        m.transition(&mut *c, "12345678", &["a"], "b")
+            .await
+            .unwrap(),
+        Transition::NotFound
+    );
 }
 
 /// Bad names are refused before anything is sent.
@@ -488,19 +696,6 @@ pub async fn bad_set_columns<B: Backend>(b: &B) {
     assert_eq!(state_of(b, &t, 0).await.as_deref(), Some("pending"));
 }
 
-/// Fails the test (never skips it) when the server cannot be reached, with
-/// the command that starts it.
-pub fn connect_failed(what: &str, url: &str, err: &sqlx::Error, start: &str) -> ! {
-    if matches!(err, sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut) {
-        panic!(
-            "{what} at {url} is not reachable ({err}).\n\
-             These tests need the real server. Start it with:\n    {start}\n\
-             (or point the URL variable at another server)"
-        );
-    }
-    panic!("connecting to {what} at {url} failed: {err} ({err:?})")
-}
-
 /// A transaction inserts the key and waits; 6 autocommit callers queue
 /// behind it; it rolls back. The waiters then race for the key (on InnoDB
 /// this is where a 1213 deadlock between waiters happens; it is retried):
@@ -529,23 +724,7 @@ pub async fn insert_or_get_after_rollback<B: Backend>(b: &B) {
         // finds the row).
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         holder.rollback().await.expect("rollback");
-        let mut ids = Vec::new();
-        let mut inserted = 0;
-        for task in tasks {
-            let c = task
-                .await
-                .expect("task")
-                .unwrap_or_else(|e| panic!("round {round}: {e} ({e:?})"));
-            inserted += usize::from(c.inserted);
-            ids.push(c.id);
-        }
-        assert_eq!(inserted, 1, "round {round}: exactly one inserted");
-        assert!(ids.iter().all(|id| *id == ids[0]), "same id: {ids:?}");
-        assert_ne!(ids[0], held.id, "the rolled-back id is not reused");
-        assert_eq!(
-            b.int(&format!("SELECT COUNT(*) FROM {t} WHERE biz_key = '{key}'"))
-                .await,
-            1
-        );
+        let id = one_row_one_id(b, &t, &key, round, tasks).await;
+        assert_ne!(id, held.id, "the rolled-back id is not reused");
     }
 }

@@ -1,0 +1,76 @@
+//! Checks that stores on a real server (SQL, Redis) run besides the
+//! conformance suite: one key raced through two separate connections or
+//! pools, and corrupt records reported as `Corrupt`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{Begin, BeginRequest, Lease, Phase, Store, StoreError};
+
+/// `n` concurrent `begin(r)`s, alternating between stores `a` and `b` (two
+/// separate pools or connections on one backend), released together by a
+/// barrier: exactly one `Acquired`, every other answer `InFlight` with a
+/// `retry_after` in `(0, r.lease]`. Returns the winner's lease.
+///
+/// # Panics
+/// When the answers are not one winner and `n - 1` in flight, or a
+/// `begin` fails.
+pub async fn race_begins<S: Store + Clone + 'static>(
+    a: &S,
+    b: &S,
+    r: &BeginRequest,
+    n: usize,
+) -> Lease {
+    let barrier = Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let (r, barrier) = (r.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.begin(&r).await
+            })
+        })
+        .collect();
+    let mut acquired = Vec::new();
+    let mut in_flight = 0;
+    for t in tasks {
+        match t.await.expect("task").expect("begin") {
+            Begin::Acquired(l) => acquired.push(l),
+            Begin::InFlight { retry_after } => {
+                assert!(
+                    retry_after > Duration::ZERO && retry_after <= r.lease,
+                    "retry_after {retry_after:?} within the lease {:?}",
+                    r.lease
+                );
+                in_flight += 1;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(acquired.len(), 1, "exactly one winner: {acquired:?}");
+    assert_eq!(in_flight, n - 1);
+    acquired.pop().expect("one")
+}
+
+/// The record of `r` is corrupt: `begin` reports `Corrupt` (phase `Begin`,
+/// with a detail) and `get` reports `Corrupt` (phase `Get`); `what` names
+/// the corruption in the panic message.
+///
+/// # Panics
+/// When either answer is anything else.
+pub async fn expect_corrupt<S: Store + ?Sized>(store: &S, r: &BeginRequest, what: &str) {
+    match store.begin(r).await {
+        Err(StoreError::Corrupt {
+            phase: Phase::Begin,
+            detail,
+        }) => assert!(!detail.is_empty()),
+        other => panic!("{what}: begin must report Corrupt, got {other:?}"),
+    }
+    match store.get(&r.scope, &r.key).await {
+        Err(StoreError::Corrupt {
+            phase: Phase::Get, ..
+        }) => {}
+        other => panic!("{what}: get must report Corrupt, got {other:?}"),
+    }
+}
