@@ -199,7 +199,6 @@
 //! purged every [`GatewayConfig::purge_interval`] (60 s).
 
 mod config;
-mod fail_open;
 mod guard;
 mod proxy;
 mod server;
@@ -207,9 +206,13 @@ mod store;
 
 pub use config::{
     parse_duration, parse_method, parse_scope_header, parse_size, parse_token_prefix,
-    parse_upstream, ConfigError, GatewayArgs, GatewayConfig,
+    parse_upstream, show_duration, show_size, ConfigError, GatewayArgs, GatewayConfig,
+    DEFAULT_LISTEN, DEFAULT_PURGE_INTERVAL, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STORE,
+    DEFAULT_UPSTREAM_IDLE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
 };
-pub use fail_open::IDEMPOTENCY_STATUS;
+/// The response field that marks an answer given without protection
+/// (`Idempotency-Status: unprotected`, see [Store outages](#store-outages)).
+pub use idem_http::IDEMPOTENCY_STATUS;
 pub use proxy::{append_forwarded_for, strip_hop_by_hop, HOP_BY_HOP};
 pub use server::{shutdown_signal, Gateway, GatewayError, RESERVED_PREFIX};
 pub use store::{open_store, open_store_with, StoreOptions};

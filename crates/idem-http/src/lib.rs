@@ -85,6 +85,7 @@ pub mod fingerprint;
 mod future;
 pub mod key;
 mod layer;
+mod options;
 mod policy;
 mod problem;
 pub mod replay;
@@ -94,9 +95,14 @@ mod service;
 use bytes::Bytes;
 pub use idem_core::{DynStore, Scope};
 
+pub use body::full;
 pub use future::ResponseFuture;
-pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
-pub use layer::{IdempotencyLayer, Options};
+pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED};
+pub use layer::IdempotencyLayer;
+pub use options::{
+    FailOpenGuard, Options, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT,
+    DEFAULT_TOKEN_TTL,
+};
 pub use policy::{default_policy, Disposition};
 pub use problem::{problem, Problem, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 pub use scope::ScopeBy;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idem_core::token::{SubmitTokens, TokenOutcome};
 use idem_core::{
     Action, DynStore, Engine, Fingerprint, IdempotencyKey, Outcome, Saved, Scope, StoreError,
@@ -15,11 +15,13 @@ use idem_core::{
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
-use crate::body::Prefixed;
+use crate::body::{full, Prefixed};
 use crate::fingerprint::request_fingerprint;
 use crate::future::ResponseFuture;
-use crate::key::{key_from_headers, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
-use crate::layer::Options;
+use crate::key::{
+    key_from_headers, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED,
+};
+use crate::options::Options;
 use crate::policy::Disposition;
 use crate::problem::Problem;
 use crate::replay::{replay_response, to_stored};
@@ -40,6 +42,11 @@ use crate::{BoxBody, BoxError};
 /// disconnects does not cancel the inner call or the save, and a server can
 /// wait for such runs at shutdown. An inner `Err` releases the key and is
 /// returned as is.
+///
+/// With fail-open ([`Options::fail_open`]), a guarded request whose store
+/// failed before the inner service was called is handed to the inner
+/// service as it was buffered, and its answer is marked
+/// `Idempotency-Status: unprotected`.
 #[derive(Debug, Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
@@ -250,9 +257,12 @@ impl Guarded {
         })
     }
 
+    /// Claims the key and runs the inner service once, or answers from the
+    /// store; when the store fails before the run, fails open or answers
+    /// 503 ([`StoreFailure`]).
     async fn run<S, F, E, RB>(
         self,
-        mut inner: S,
+        inner: S,
         req: Request<BoxBody>,
         fingerprint: Fingerprint,
     ) -> Result<Response<BoxBody>, E>
@@ -272,12 +282,21 @@ impl Guarded {
         } = self;
         let policy = options.policy;
         let retention_limit = options.retention_limit;
-        let op = move |_lease| async move {
-            match inner.call(req).await {
-                Err(e) => (Err(e), Action::Release),
-                Ok(resp) => {
-                    let (resp, action) = first_response(resp, policy, retention_limit).await;
-                    (Ok(resp), action)
+        // The inner service and the request until the engine runs them:
+        // still here once the engine returns means nothing was sent.
+        let mut unsent = Some((inner, req));
+        let op = |_lease| {
+            let sent = unsent.take();
+            async move {
+                let Some((mut inner, req)) = sent else {
+                    unreachable!("the engine runs its operation at most once")
+                };
+                match inner.call(req).await {
+                    Err(e) => (Err(e), Action::Release),
+                    Ok(resp) => {
+                        let (resp, action) = first_response(resp, policy, retention_limit).await;
+                        (Ok(resp), action)
+                    }
                 }
             }
         };
@@ -294,7 +313,27 @@ impl Guarded {
             engine.execute(&scope, &key, fingerprint, op).await
         };
         match outcome {
-            Err(e) => Ok(log.rejected(store_problem(&key, &e))),
+            Err(e) => {
+                let failure = StoreFailure::logged(&key, &e);
+                match (unsent, &options.fail_open) {
+                    (Some((inner, req)), Some(guard))
+                        if failure == StoreFailure::Unavailable && !token =>
+                    {
+                        if guard.allows(&scope, &key) {
+                            forward_unprotected(inner, req, &log).await
+                        } else {
+                            tracing::error!(
+                                target: "idem", key = %key, method = %log.method, path = %log.path,
+                                "FAIL-OPEN REFUSED: the idempotency store is unavailable, but this \
+                                 gateway saw this key claimed or completed moments ago; forwarding \
+                                 it would run it twice. Answering 503."
+                            );
+                            Ok(log.rejected(failure.problem()))
+                        }
+                    }
+                    _ => Ok(log.rejected(failure.problem())),
+                }
+            }
             Ok(Outcome::Executed { value, saved, .. }) => {
                 let saved = match &saved {
                     Saved::Stored => "stored",
@@ -383,10 +422,33 @@ fn ready<E: Send + 'static>(resp: Response<BoxBody>) -> ResponseFuture<E> {
     ResponseFuture::new(std::future::ready(Ok(resp)))
 }
 
-fn full(bytes: Bytes) -> BoxBody {
-    Full::new(bytes)
-        .map_err(|never| match never {})
-        .boxed_unsync()
+/// Fail-open: hands the buffered request to `inner` (which has not seen
+/// it) without protection, and marks the answer `Idempotency-Status:
+/// unprotected`. Nothing is recorded.
+async fn forward_unprotected<S, F, E, RB>(
+    mut inner: S,
+    req: Request<BoxBody>,
+    log: &LogCtx,
+) -> Result<Response<BoxBody>, E>
+where
+    S: Service<Request<BoxBody>, Response = Response<RB>, Future = F, Error = E>,
+    F: std::future::Future<Output = Result<Response<RB>, E>>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    tracing::warn!(
+        target: "idem", key = %log.key, method = %log.method, path = %log.path,
+        "FAIL-OPEN: the idempotency store is unavailable; forwarding WITHOUT idempotency \
+         protection. This request is not recorded: a retry of it may run again (double charge)."
+    );
+    let (mut parts, body) = inner.call(req).await?.into_parts();
+    // Only replays say they are replays.
+    parts.headers.remove(IDEMPOTENT_REPLAYED);
+    parts
+        .headers
+        .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("unprotected"));
+    let resp = Response::from_parts(parts, body.map_err(Into::into).boxed_unsync());
+    Ok(log.finish("unprotected", resp, None))
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
@@ -425,31 +487,54 @@ fn token_unknown() -> Problem {
     )
 }
 
-fn store_problem(key: &IdempotencyKey, e: &StoreError) -> Problem {
-    match e {
-        StoreError::Corrupt { .. } => {
-            tracing::error!(target: "idem", key = %key, error = %e, "corrupt idempotency record");
-            Problem::new(
+/// What a store error before the run means for the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StoreFailure {
+    /// The stored record does not decode: 500 `corrupt-record`.
+    Corrupt,
+    /// The store refuses new records: 503 `store-full`.
+    Full,
+    /// The store cannot be reached or timed out: 503 `store-unavailable`
+    /// (the case fail-open forwards).
+    Unavailable,
+}
+
+impl StoreFailure {
+    /// Classifies `e` and logs it.
+    fn logged(key: &IdempotencyKey, e: &StoreError) -> Self {
+        match e {
+            StoreError::Corrupt { .. } => {
+                tracing::error!(target: "idem", key = %key, error = %e, "corrupt idempotency record");
+                Self::Corrupt
+            }
+            StoreError::Full { .. } => {
+                tracing::error!(target: "idem", key = %key, error = %e, "idempotency store full");
+                Self::Full
+            }
+            _ => {
+                tracing::error!(target: "idem", key = %key, error = %e, "idempotency store unavailable");
+                Self::Unavailable
+            }
+        }
+    }
+
+    fn problem(self) -> Problem {
+        match self {
+            Self::Corrupt => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "corrupt-record",
                 "The stored record for this Idempotency-Key is corrupt; the request was not run.",
-            )
-        }
-        StoreError::Full { .. } => {
-            tracing::error!(target: "idem", key = %key, error = %e, "idempotency store full");
-            Problem::new(
+            ),
+            Self::Full => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-full",
                 "The idempotency store is full; the request was not run. Retry later.",
-            )
-        }
-        _ => {
-            tracing::error!(target: "idem", key = %key, error = %e, "idempotency store unavailable");
-            Problem::new(
+            ),
+            Self::Unavailable => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
                 "The idempotency store is unavailable; the request was not run. Retry later.",
-            )
+            ),
         }
     }
 }
