@@ -21,7 +21,7 @@ use crate::future::ResponseFuture;
 use crate::key::{
     key_from_headers, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED,
 };
-use crate::options::Options;
+use crate::options::{FailOpenGuard, Options};
 use crate::policy::Disposition;
 use crate::problem::Problem;
 use crate::replay::{replay_response, to_stored};
@@ -314,25 +314,10 @@ impl Guarded {
         };
         match outcome {
             Err(e) => {
-                let failure = StoreFailure::logged(&key, &e);
-                match (unsent, &options.fail_open) {
-                    (Some((inner, req)), Some(guard))
-                        if failure == StoreFailure::Unavailable && !token =>
-                    {
-                        if guard.allows(&scope, &key) {
-                            forward_unprotected(inner, req, &log).await
-                        } else {
-                            tracing::error!(
-                                target: "idem", key = %key, method = %log.method, path = %log.path,
-                                "FAIL-OPEN REFUSED: the idempotency store is unavailable, but this \
-                                 gateway saw this key claimed or completed moments ago; forwarding \
-                                 it would run it twice. Answering 503."
-                            );
-                            Ok(log.rejected(failure.problem()))
-                        }
-                    }
-                    _ => Ok(log.rejected(failure.problem())),
-                }
+                // A token cannot be checked without the store: token routes
+                // never fail open.
+                let fail_open = options.fail_open.as_deref().filter(|_| !token);
+                store_failed(&e, unsent, fail_open, &scope, &key, &log).await
             }
             Ok(Outcome::Executed { value, saved, .. }) => {
                 let saved = match &saved {
@@ -420,6 +405,41 @@ where
 
 fn ready<E: Send + 'static>(resp: Response<BoxBody>) -> ResponseFuture<E> {
     ResponseFuture::new(std::future::ready(Ok(resp)))
+}
+
+/// The store failed before the run (`unsent` holds the inner service and
+/// the request when nothing was sent): with a `fail_open` guard that
+/// allows the key, an unavailable store lets the request through
+/// unprotected; otherwise the answer is the failure's problem.
+async fn store_failed<S, F, E, RB>(
+    e: &StoreError,
+    unsent: Option<(S, Request<BoxBody>)>,
+    fail_open: Option<&dyn FailOpenGuard>,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    log: &LogCtx,
+) -> Result<Response<BoxBody>, E>
+where
+    S: Service<Request<BoxBody>, Response = Response<RB>, Future = F, Error = E>,
+    F: std::future::Future<Output = Result<Response<RB>, E>>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let failure = StoreFailure::logged(key, e);
+    match (unsent, fail_open) {
+        (Some((inner, req)), Some(guard)) if failure == StoreFailure::Unavailable => {
+            if guard.allows(scope, key) {
+                return forward_unprotected(inner, req, log).await;
+            }
+            tracing::error!(
+                target: "idem", key = %key, method = %log.method, path = %log.path,
+                "FAIL-OPEN REFUSED: the idempotency store is unavailable, but this key was seen \
+                 claimed or completed moments ago; forwarding it would run it twice. Answering 503."
+            );
+            Ok(log.rejected(failure.problem()))
+        }
+        _ => Ok(log.rejected(failure.problem())),
+    }
 }
 
 /// Fail-open: hands the buffered request to `inner` (which has not seen
@@ -770,5 +790,140 @@ mod tests {
         assert_eq!(content_length(&h), Some(42));
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("x"));
         assert_eq!(content_length(&h), None);
+    }
+}
+
+#[cfg(test)]
+mod fail_open_tests {
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use async_trait::async_trait;
+    use idem_core::{Begin, BeginRequest, Lease, Phase, Record, Store, StoredResponse};
+    use tower::ServiceExt;
+    use tower_layer::Layer;
+
+    use super::*;
+    use crate::{FailOpenGuard, IdempotencyLayer};
+
+    /// A store whose every call fails with the error it was made with.
+    #[derive(Debug)]
+    struct Down(fn() -> StoreError);
+
+    fn refused() -> StoreError {
+        StoreError::unavailable(Phase::Begin, "connection refused")
+    }
+
+    fn full_store() -> StoreError {
+        StoreError::Full {
+            detail: "at capacity".into(),
+        }
+    }
+
+    #[async_trait]
+    impl Store for Down {
+        async fn begin(&self, _: &BeginRequest) -> Result<Begin, StoreError> {
+            Err((self.0)())
+        }
+        async fn complete(
+            &self,
+            _: &Lease,
+            _: &StoredResponse,
+            _: Duration,
+        ) -> Result<(), StoreError> {
+            Err((self.0)())
+        }
+        async fn release(&self, _: &Lease) -> Result<(), StoreError> {
+            Err((self.0)())
+        }
+        async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, StoreError> {
+            Err((self.0)())
+        }
+        async fn get(&self, _: &Scope, _: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+            Err((self.0)())
+        }
+        async fn delete(&self, _: &Scope, _: &IdempotencyKey) -> Result<bool, StoreError> {
+            Err((self.0)())
+        }
+        async fn purge_expired(&self) -> Result<u64, StoreError> {
+            Err((self.0)())
+        }
+    }
+
+    #[derive(Debug)]
+    struct Allow(bool);
+
+    impl FailOpenGuard for Allow {
+        fn allows(&self, _: &Scope, _: &IdempotencyKey) -> bool {
+            self.0
+        }
+    }
+
+    /// Sends `POST path` with a key and a body through `layer` around an
+    /// inner service that echoes the body (and claims to be a replay);
+    /// returns the answer, its body and how often the inner service ran.
+    async fn send(layer: &IdempotencyLayer, path: &str) -> (http::response::Parts, Bytes, usize) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let inner = tower::service_fn(move |req: Request<BoxBody>| {
+            let calls = counted.clone();
+            async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let body = req.into_body().collect().await.unwrap().to_bytes();
+                let mut resp = Response::new(full(body));
+                resp.headers_mut()
+                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                Ok::<_, Infallible>(resp)
+            }
+        });
+        let req = Request::post(path)
+            // Token-shaped, so a token route asks the store too.
+            .header(IDEMPOTENCY_KEY, "tok_0123456789abcdef0123456789abcdef")
+            .body(full(r#"{"a":1}"#))
+            .unwrap();
+        let (parts, body) = layer.layer(inner).oneshot(req).await.unwrap().into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        (parts, body, calls.load(Ordering::SeqCst))
+    }
+
+    fn problem_type(body: &Bytes) -> String {
+        let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+        v["type"].as_str().unwrap().to_owned()
+    }
+
+    #[tokio::test]
+    async fn the_buffered_request_is_forwarded_once_and_marked() {
+        let layer = IdempotencyLayer::new(Down(refused)).with_fail_open(Arc::new(Allow(true)));
+        let (resp, body, calls) = send(&layer, "/orders").await;
+        assert_eq!(resp.status, StatusCode::OK);
+        assert_eq!(resp.headers[IDEMPOTENCY_STATUS], "unprotected");
+        assert!(resp.headers.get(IDEMPOTENT_REPLAYED).is_none());
+        assert_eq!(body, r#"{"a":1}"#);
+        assert_eq!(calls, 1);
+    }
+
+    #[tokio::test]
+    async fn otherwise_the_answer_is_503_and_nothing_runs() {
+        let closed = IdempotencyLayer::new(Down(refused));
+        let refused_by_guard =
+            IdempotencyLayer::new(Down(refused)).with_fail_open(Arc::new(Allow(false)));
+        let token_route = IdempotencyLayer::new(Down(refused))
+            .with_fail_open(Arc::new(Allow(true)))
+            .with_require_token(["/orders"]);
+        for (layer, kind) in [
+            (closed, "store-unavailable"),
+            (refused_by_guard, "store-unavailable"),
+            (token_route, "store-unavailable"),
+            (
+                IdempotencyLayer::new(Down(full_store)).with_fail_open(Arc::new(Allow(true))),
+                "store-full",
+            ),
+        ] {
+            let (resp, body, calls) = send(&layer, "/orders").await;
+            assert_eq!(resp.status, StatusCode::SERVICE_UNAVAILABLE, "{kind}");
+            assert_eq!(problem_type(&body), format!("urn:idem:problem:{kind}"));
+            assert!(resp.headers.get(IDEMPOTENCY_STATUS).is_none());
+            assert_eq!(calls, 0, "{kind}: the inner service ran");
+        }
     }
 }
