@@ -7,6 +7,7 @@
 //!   it, fires concurrent duplicate requests through the gateway and shows
 //!   that the service ran the charge once.
 
+#[cfg(feature = "demo")]
 mod demo;
 
 use std::error::Error;
@@ -68,6 +69,7 @@ enum Command {
 
     /// Start a sample payment service behind a gateway and show that 20
     /// concurrent duplicate requests charge once.
+    #[cfg(feature = "demo")]
     #[command(long_about = demo::LONG_ABOUT)]
     Demo(demo::DemoArgs),
 }
@@ -87,6 +89,7 @@ fn main() -> ExitCode {
         Command::Gateway(_) => "info",
         // The demo prints its own story on stdout; logs would interleave with
         // it, so only warnings unless RUST_LOG asks for more.
+        #[cfg(feature = "demo")]
         Command::Demo(_) => "warn",
     };
     if let Err(e) = init_logging(cli.log_format, default_filter) {
@@ -103,6 +106,7 @@ fn main() -> ExitCode {
     runtime.block_on(async move {
         match cli.command {
             Command::Gateway(args) => run_gateway(args).await,
+            #[cfg(feature = "demo")]
             Command::Demo(args) => demo::run(args).await,
         }
     })

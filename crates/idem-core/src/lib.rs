@@ -29,6 +29,7 @@ mod memory;
 mod response;
 mod store;
 pub mod token;
+pub mod url;
 
 pub use clock::{duration_ms, Clock, ManualClock, Millis, SharedClock, SystemClock};
 pub use engine::{Action, Engine, EngineConfig, Once, OnceError, Outcome, Saved};
@@ -38,3 +39,4 @@ pub use key::{IdempotencyKey, Scope, MAX_KEY_LEN};
 pub use memory::{MemoryLimits, MemoryStore};
 pub use response::StoredResponse;
 pub use store::{Begin, BeginRequest, DynStore, Lease, Record, RecordState, Store};
+pub use url::RedactedUrl;

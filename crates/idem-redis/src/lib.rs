@@ -8,7 +8,9 @@ mod options;
 mod scripts;
 mod store;
 mod target;
+mod url;
 
 pub use lock::RedisLockBackend;
 pub use options::{RedisOptions, MAX_PREFIX_LEN};
 pub use store::RedisStore;
+pub use url::RedisUrl;

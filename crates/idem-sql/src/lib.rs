@@ -35,6 +35,7 @@ mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod sqlite;
+pub mod url;
 
 pub mod patterns;
 

@@ -1,0 +1,145 @@
+//! Reading a Redis store URL: its `idem_prefix` parameter and the URL left
+//! for the driver (see [`idem_core::url`] for the rules every store shares).
+
+use idem_core::url::{Param, StoreUrl};
+use idem_core::{RedactedUrl, StoreError};
+
+use crate::RedisOptions;
+
+/// The `idem_*` parameters of a Redis store URL.
+const PARAMS: &[Param] = &[Param::Text("idem_prefix")];
+
+/// A checked Redis store URL: `redis://[user:password@]host[:port][/db]`,
+/// `rediss://…` (TLS), `redis+unix:///path.sock`, or
+/// `redis+cluster://host:port,host:port` (`rediss+cluster://`), with the
+/// options its `idem_prefix` parameter sets.
+///
+/// ```
+/// use idem_redis::RedisUrl;
+/// let u = RedisUrl::parse("redis://:pw@h:6379/2?protocol=resp3&idem_prefix=pay%3Av2")?;
+/// assert_eq!(u.url.expose(), "redis://:pw@h:6379/2?protocol=resp3");
+/// assert_eq!(u.url.to_string(), "redis://:***@h:6379/2?protocol=resp3");
+/// assert_eq!(u.options.key_prefix, "pay:v2");
+/// assert!(!u.cluster);
+/// # Ok::<(), idem_core::StoreError>(())
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RedisUrl {
+    /// The URL for [`RedisStore::connect_with`](crate::RedisStore::connect_with):
+    /// the scheme in lower case, the `idem_*` parameters removed.
+    pub url: RedactedUrl,
+    /// [`RedisOptions::default`] with [`RedisOptions::key_prefix`] from
+    /// `idem_prefix` when given (checked by [`RedisOptions::validate`]).
+    pub options: RedisOptions,
+    /// The URL names a Redis Cluster (`redis+cluster://`,
+    /// `rediss+cluster://`).
+    pub cluster: bool,
+}
+
+impl RedisUrl {
+    /// Reads a Redis store URL without connecting.
+    ///
+    /// # Errors
+    /// [`StoreError::Config`] for a scheme that is not a Redis one, a URL
+    /// that names no server, an `idem_*` parameter other than `idem_prefix`,
+    /// an empty, repeated or malformed one, or a prefix that
+    /// [`RedisOptions::validate`] refuses.
+    pub fn parse(url: &str) -> Result<Self, StoreError> {
+        let u = StoreUrl::parse(url)?;
+        let (cluster, kind) = match u.scheme() {
+            "redis" | "rediss" | "redis+unix" => (false, "redis"),
+            "redis+cluster" | "rediss+cluster" => (true, "redis-cluster"),
+            _ => {
+                return Err(u.error(
+                    "not a Redis URL; use redis://, rediss://, redis+unix://, \
+                     redis+cluster:// or rediss+cluster://",
+                ))
+            }
+        };
+        let hint = if cluster {
+            "name its nodes: redis+cluster://host:port,host:port"
+        } else {
+            "name a host"
+        };
+        u.require_base(&[], "server", hint)?;
+        let params = u.options(kind, PARAMS)?;
+        let mut options = RedisOptions::default();
+        if let Some(prefix) = params.text("idem_prefix") {
+            options = options.with_key_prefix(prefix);
+            options.validate().map_err(|e| match e {
+                StoreError::Config(m) => StoreError::Config(format!("store URL: idem_prefix: {m}")),
+                e => e,
+            })?;
+        }
+        Ok(Self {
+            url: params.driver_url().clone(),
+            options,
+            cluster,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_error(url: &str) -> String {
+        match RedisUrl::parse(url) {
+            Err(StoreError::Config(m)) => m,
+            other => panic!("{url}: not a config error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn gateway_parameters_are_taken_out_of_the_driver_url() {
+        let u = RedisUrl::parse("redis://h:6379/2?idem_prefix=pay%3Av2").unwrap();
+        assert_eq!(u.url.expose(), "redis://h:6379/2");
+        assert_eq!(u.options.key_prefix, "pay:v2");
+        assert!(!u.cluster);
+
+        let u =
+            RedisUrl::parse("redis+cluster://h:7000,h:7001/?protocol=resp3&idem_prefix=x").unwrap();
+        assert_eq!(
+            u.url.expose(),
+            "redis+cluster://h:7000,h:7001/?protocol=resp3"
+        );
+        assert_eq!(u.options.key_prefix, "x");
+        assert!(u.cluster);
+
+        let u = RedisUrl::parse("REDISS://h:6380").unwrap();
+        assert_eq!(u.url.expose(), "rediss://h:6380");
+        assert_eq!(u.options.key_prefix, RedisOptions::default().key_prefix);
+        assert!(RedisUrl::parse("redis+unix:///run/redis.sock").is_ok());
+        assert!(RedisUrl::parse("rediss+cluster://h:7000").unwrap().cluster);
+    }
+
+    #[test]
+    fn bad_parameters_are_config_errors() {
+        for bad in [
+            "redis://",
+            "redis+cluster://",
+            "postgres://h/db",
+            "redis://h?idem_table=t",
+            "redis://h?idem_prefix=a%7Bb",
+            "redis://h?idem_prefix=%ZZ",
+            "redis://h?idem_prefix=",
+            "redis://h?idem_prefix=a&idem_prefix=b",
+        ] {
+            config_error(bad);
+        }
+        assert_eq!(
+            config_error("redis+cluster://"),
+            "store URL \"redis+cluster://\" names no server; \
+             name its nodes: redis+cluster://host:port,host:port"
+        );
+        assert_eq!(
+            config_error("redis://:s3cret@h?idem_schema=x"),
+            "store URL \"redis://:***@h?idem_schema=x\": unknown parameter \"idem_schema\"; \
+             redis store URLs take idem_prefix"
+        );
+        assert!(config_error("redis+cluster://h:1?idem_x=1")
+            .ends_with("redis-cluster store URLs take idem_prefix"));
+        assert!(config_error("redis://h?idem_prefix=a%7Bb").starts_with("store URL: idem_prefix: "));
+    }
+}
