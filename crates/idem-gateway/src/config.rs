@@ -9,6 +9,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use http::{HeaderName, Method, Uri};
+use idem_core::RedactedUrl;
 use idem_http::{
     Options, ScopeBy, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT, DEFAULT_TOKEN_TTL,
 };
@@ -52,7 +53,7 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// assert_eq!(config.listen.to_string(), "127.0.0.1:8000");
 /// assert_eq!(config.layer.methods, vec![http::Method::POST, http::Method::PATCH]);
 /// ```
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct GatewayArgs {
     /// Address to listen on, `IP:PORT`.
     #[arg(
@@ -81,7 +82,7 @@ pub struct GatewayArgs {
         value_name = "URL",
         default_value = DEFAULT_STORE
     )]
-    pub store: String,
+    pub store: RedactedUrl,
 
     /// How long a completed result is replayed.
     #[arg(long, env = "IDEM_TTL", value_name = "DURATION", default_value = show_duration(Options::default().ttl), value_parser = parse_duration)]
@@ -283,7 +284,7 @@ impl GatewayArgs {
 /// [`GatewayArgs::into_config`] or [`GatewayConfig::new`] (defaults as the
 /// flags') and adjust its fields; [`crate::Gateway::bind`] validates it
 /// again.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct GatewayConfig {
     /// Listening address (default [`DEFAULT_LISTEN`], `127.0.0.1:8000`;
@@ -292,8 +293,8 @@ pub struct GatewayConfig {
     /// The upstream, `http://host:port[/prefix]`.
     pub upstream: Uri,
     /// Store URL (default [`DEFAULT_STORE`], `sqlite://idem.db`), see
-    /// [`crate::open_store`].
-    pub store: String,
+    /// [`crate::open_store`]; shown with its password as `***`.
+    pub store: RedactedUrl,
     /// How the store is opened and how long one call may take (`--store-*`:
     /// pool size 16, timeout 5 s by default).
     pub store_options: StoreOptions,
@@ -333,7 +334,7 @@ impl GatewayConfig {
         Self {
             listen: DEFAULT_LISTEN,
             upstream,
-            store: DEFAULT_STORE.to_owned(),
+            store: DEFAULT_STORE.into(),
             store_options: StoreOptions::default(),
             layer: Options::default(),
             upstream_timeout: DEFAULT_UPSTREAM_TIMEOUT,
@@ -390,7 +391,7 @@ impl GatewayConfig {
         for m in &layer.methods {
             check_method(m).map_err(ConfigError::Method)?;
         }
-        crate::store::StoreKind::of_url(&self.store).map_err(ConfigError::Store)?;
+        crate::store::StoreKind::of_url(self.store.expose()).map_err(ConfigError::Store)?;
         if let ScopeBy::Headers(names) = &layer.scope {
             if names.is_empty() {
                 return Err(ConfigError::ScopeHeader(
@@ -404,51 +405,6 @@ impl GatewayConfig {
             }
         }
         Ok(())
-    }
-}
-
-// Not derived: the store URL may hold a password, shown as `***`.
-impl std::fmt::Debug for GatewayArgs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GatewayArgs")
-            .field("listen", &self.listen)
-            .field("upstream", &self.upstream)
-            .field("store", &crate::store::redact(&self.store))
-            .field("ttl", &self.ttl)
-            .field("lease", &self.lease)
-            .field("methods", &self.methods)
-            .field("require_key", &self.require_key)
-            .field("max_body", &self.max_body)
-            .field("retention_limit", &self.retention_limit)
-            .field("upstream_timeout", &self.upstream_timeout)
-            .field("upstream_idle_timeout", &self.upstream_idle_timeout)
-            .field("wait", &self.wait)
-            .field("store_pool_size", &self.store_pool_size)
-            .field("store_timeout", &self.store_timeout)
-            .field("fail_open", &self.fail_open)
-            .field("scope_header", &self.scope_header)
-            .field("token_ttl", &self.token_ttl)
-            .field("require_token", &self.require_token)
-            .field("purge_interval", &self.purge_interval)
-            .finish()
-    }
-}
-
-// Not derived: the store URL may hold a password, shown as `***`.
-impl std::fmt::Debug for GatewayConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GatewayConfig")
-            .field("listen", &self.listen)
-            .field("upstream", &self.upstream)
-            .field("store", &crate::store::redact(&self.store))
-            .field("store_options", &self.store_options)
-            .field("layer", &self.layer)
-            .field("upstream_timeout", &self.upstream_timeout)
-            .field("upstream_idle_timeout", &self.upstream_idle_timeout)
-            .field("fail_open", &self.fail_open)
-            .field("purge_interval", &self.purge_interval)
-            .field("shutdown_grace", &self.shutdown_grace)
-            .finish()
     }
 }
 
@@ -765,7 +721,7 @@ mod tests {
             .into_config()
             .unwrap();
         assert_eq!(c.listen, "127.0.0.1:8000".parse().unwrap());
-        assert_eq!(c.store, "sqlite://idem.db");
+        assert_eq!(c.store.expose(), "sqlite://idem.db");
         assert_eq!(c.layer.ttl, Duration::from_secs(86400));
         assert_eq!(c.layer.lease, Duration::from_secs(30));
         assert_eq!(c.layer.methods, vec![Method::POST, Method::PATCH]);
@@ -1064,7 +1020,7 @@ mod tests {
             "redis://127.0.0.1:6379/?idem_prefix=app",
             "redis+cluster://a:1,b:2",
         ] {
-            assert_eq!(store(ok).unwrap().store, ok);
+            assert_eq!(store(ok).unwrap().store.expose(), ok);
         }
     }
 

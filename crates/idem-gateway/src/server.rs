@@ -24,7 +24,7 @@ use tower::Layer;
 use crate::config::{show_scope, ConfigError, GatewayConfig};
 use crate::guard::{GuardedStore, Recent};
 use crate::proxy::{self, error_chain, Proxy, Upstream, UpstreamClient};
-use crate::store::{open_store_with, redact, StoreKind};
+use crate::store::{open_store_with, StoreKind};
 
 /// Paths under this prefix are answered by the gateway itself and never proxied.
 pub const RESERVED_PREFIX: &str = "/_idem/";
@@ -96,7 +96,7 @@ impl std::fmt::Debug for Gateway {
         f.debug_struct("Gateway")
             .field("local_addr", &self.local_addr)
             .field("upstream", &self.config.upstream)
-            .field("store", &redact(&self.config.store))
+            .field("store", &self.config.store)
             .field("kind", &self.kind)
             .field("fail_open", &self.config.fail_open)
             .finish_non_exhaustive()
@@ -121,11 +121,11 @@ impl Gateway {
     /// cannot be bound.
     pub async fn bind(config: GatewayConfig) -> Result<Gateway, GatewayError> {
         config.validate()?;
-        let store = open_store_with(&config.store, &config.store_options)
+        let store = open_store_with(config.store.expose(), &config.store_options)
             .await
             .map_err(|source| GatewayError::Store {
-                kind: StoreKind::of_url(&config.store).map_or("custom", StoreKind::name),
-                url: redact(&config.store),
+                kind: StoreKind::of_url(config.store.expose()).map_or("custom", StoreKind::name),
+                url: config.store.redacted(),
                 source,
             })?;
         Self::bind_with_store(config, store).await
@@ -143,12 +143,12 @@ impl Gateway {
         store: DynStore,
     ) -> Result<Gateway, GatewayError> {
         let mut checked = config.clone();
-        if StoreKind::of_url(&checked.store).is_err() {
+        if StoreKind::of_url(checked.store.expose()).is_err() {
             // A caller-supplied store need not have a URL we know.
             checked.store = "memory://".into();
         }
         checked.validate()?;
-        let kind = StoreKind::of_url(&config.store).map_or("custom", StoreKind::name);
+        let kind = StoreKind::of_url(config.store.expose()).map_or("custom", StoreKind::name);
         let recent = config.fail_open.then(|| {
             Arc::new(Recent::new(
                 config.layer.lease.saturating_add(config.layer.wait),
@@ -243,7 +243,7 @@ fn log_startup(config: &GatewayConfig, kind: &'static str, local_addr: SocketAdd
     tracing::info!(
         listen = %local_addr,
         upstream = %config.upstream,
-        store = %redact(&config.store),
+        store = %config.store,
         store_kind = kind,
         store_pool_size = config.store_options.pool_size,
         store_timeout = %humantime::format_duration(config.store_options.timeout),

@@ -737,7 +737,7 @@ async fn sqlite_corrupt_record_is_500_and_a_broken_store_is_503() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("idem.db");
     let mut cfg = config(&up.url());
-    cfg.store = format!("sqlite://{}", db.display());
+    cfg.store = format!("sqlite://{}", db.display()).into();
     let gw = idem_gateway::Gateway::bind(cfg).await.unwrap();
     let addr = gw.local_addr();
     let serve = tokio::spawn(gw.serve(std::future::pending()));

@@ -329,7 +329,7 @@ async fn health_reports_sqlite() {
     let up = upstream().await;
     let dir = tempfile::tempdir().unwrap();
     let mut c = config(&up.url());
-    c.store = format!("sqlite://{}", dir.path().join("h.db").display());
+    c.store = format!("sqlite://{}", dir.path().join("h.db").display()).into();
     let gw = idem_gateway::Gateway::bind(c).await.unwrap();
     let addr = gw.local_addr();
     let task = tokio::spawn(gw.serve(std::future::pending()));
@@ -532,7 +532,7 @@ async fn bind_errors_are_reported() {
     // start (fail fast), and says which store, without its password.
     let mut c = config("http://127.0.0.1:9");
     let port = free_port();
-    c.store = format!("redis://:hunter2@127.0.0.1:{port}/");
+    c.store = format!("redis://:hunter2@127.0.0.1:{port}/").into();
     c.store_options.timeout = Duration::from_secs(2);
     let e = idem_gateway::Gateway::bind(c).await.unwrap_err();
     let msg = error_chain(&e);
