@@ -518,14 +518,7 @@ async fn internal(
         );
     }
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        let mut resp = problem(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method-not-allowed",
-            "/_idem/health answers GET and HEAD",
-        );
-        resp.headers_mut()
-            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
-        return resp;
+        return method_not_allowed("/_idem/health answers GET and HEAD", "GET, HEAD");
     }
     match check_store(&store).await {
         Ok(()) => json(
@@ -550,14 +543,7 @@ const TOKENS_PATH: &str = "/_idem/tokens";
 /// 201 `{"token": "tok_…", "expires_in": seconds}`.
 async fn issue_token(req: &Request<Incoming>, layer: &IdempotencyLayer) -> Response<BoxBody> {
     if req.method() != Method::POST {
-        let mut resp = problem(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method-not-allowed",
-            "/_idem/tokens answers POST",
-        );
-        resp.headers_mut()
-            .insert(header::ALLOW, HeaderValue::from_static("POST"));
-        return resp;
+        return method_not_allowed("/_idem/tokens answers POST", "POST");
     }
     match layer.issue_token(req.headers()).await {
         Ok(issued) => json(
@@ -589,6 +575,14 @@ async fn issue_token(req: &Request<Incoming>, layer: &IdempotencyLayer) -> Respo
             )
         }
     }
+}
+
+/// 405 `method-not-allowed` with the `Allow` field.
+fn method_not_allowed(detail: &'static str, allow: &'static str) -> Response<BoxBody> {
+    let mut resp = problem(StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed", detail);
+    resp.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    resp
 }
 
 /// An `application/json` answer that is never cached.

@@ -59,6 +59,7 @@
 //! | 500 `corrupt-record`, `internal`   | undecodable record; the inner service panicked            |
 //! | 502 `upstream-failed`              | the response body failed while it was buffered (key held) |
 //! | 503 `store-unavailable`, `store-full` | the store failed before the run (the inner service is not called) |
+//! | the inner service's + `Idempotency-Status: unprotected` | fail-open ([`Options::fail_open`], off by default): the store was unavailable before the run and the [`FailOpenGuard`] allowed the key; nothing is recorded |
 //!
 //! ## Example (axum 0.8)
 //!

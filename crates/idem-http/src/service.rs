@@ -410,7 +410,9 @@ fn ready<E: Send + 'static>(resp: Response<BoxBody>) -> ResponseFuture<E> {
 /// The store failed before the run (`unsent` holds the inner service and
 /// the request when nothing was sent): with a `fail_open` guard that
 /// allows the key, an unavailable store lets the request through
-/// unprotected; otherwise the answer is the failure's problem.
+/// unprotected — the buffered request goes to `inner`, the answer is marked
+/// `Idempotency-Status: unprotected` and nothing is recorded; otherwise the
+/// answer is the failure's problem.
 async fn store_failed<S, F, E, RB>(
     e: &StoreError,
     unsent: Option<(S, Request<BoxBody>)>,
@@ -427,9 +429,21 @@ where
 {
     let failure = StoreFailure::logged(key, e);
     match (unsent, fail_open) {
-        (Some((inner, req)), Some(guard)) if failure == StoreFailure::Unavailable => {
+        (Some((mut inner, req)), Some(guard)) if failure == StoreFailure::Unavailable => {
             if guard.allows(scope, key) {
-                return forward_unprotected(inner, req, log).await;
+                tracing::warn!(
+                    target: "idem", key = %key, method = %log.method, path = %log.path,
+                    "FAIL-OPEN: the idempotency store is unavailable; forwarding WITHOUT idempotency \
+                     protection. This request is not recorded: a retry of it may run again (double charge)."
+                );
+                let (mut parts, body) = inner.call(req).await?.into_parts();
+                // Only replays say they are replays.
+                parts.headers.remove(IDEMPOTENT_REPLAYED);
+                parts
+                    .headers
+                    .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("unprotected"));
+                let resp = Response::from_parts(parts, body.map_err(Into::into).boxed_unsync());
+                return Ok(log.finish("unprotected", resp, None));
             }
             tracing::error!(
                 target: "idem", key = %key, method = %log.method, path = %log.path,
@@ -440,35 +454,6 @@ where
         }
         _ => Ok(log.rejected(failure.problem())),
     }
-}
-
-/// Fail-open: hands the buffered request to `inner` (which has not seen
-/// it) without protection, and marks the answer `Idempotency-Status:
-/// unprotected`. Nothing is recorded.
-async fn forward_unprotected<S, F, E, RB>(
-    mut inner: S,
-    req: Request<BoxBody>,
-    log: &LogCtx,
-) -> Result<Response<BoxBody>, E>
-where
-    S: Service<Request<BoxBody>, Response = Response<RB>, Future = F, Error = E>,
-    F: std::future::Future<Output = Result<Response<RB>, E>>,
-    RB: Body<Data = Bytes> + Send + 'static,
-    RB::Error: Into<BoxError>,
-{
-    tracing::warn!(
-        target: "idem", key = %log.key, method = %log.method, path = %log.path,
-        "FAIL-OPEN: the idempotency store is unavailable; forwarding WITHOUT idempotency \
-         protection. This request is not recorded: a retry of it may run again (double charge)."
-    );
-    let (mut parts, body) = inner.call(req).await?.into_parts();
-    // Only replays say they are replays.
-    parts.headers.remove(IDEMPOTENT_REPLAYED);
-    parts
-        .headers
-        .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("unprotected"));
-    let resp = Response::from_parts(parts, body.map_err(Into::into).boxed_unsync());
-    Ok(log.finish("unprotected", resp, None))
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
