@@ -1,11 +1,34 @@
 //! Command-line flags, environment variables and the validated configuration.
+//!
+//! Every setting has one owner: the layer's ([`idem_http::Options`], with the
+//! engine's defaults), the store's ([`StoreOptions`]) and the gateway's own
+//! (this module's `DEFAULT_*` constants). [`GatewayConfig`] embeds the first
+//! two; the flags ([`GatewayArgs`]) show the same defaults in `--help`.
 
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
-use http::header::AUTHORIZATION;
 use http::{HeaderName, Method, Uri};
-use idem_http::ScopeBy;
+use idem_core::RedactedUrl;
+use idem_http::{
+    Options, ScopeBy, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT, DEFAULT_TOKEN_TTL,
+};
+
+use crate::store::StoreOptions;
+
+/// The listening address by default: `127.0.0.1:8000`.
+pub const DEFAULT_LISTEN: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 8000));
+/// The store by default: a SQLite file `idem.db` in the working directory.
+pub const DEFAULT_STORE: &str = "sqlite://idem.db";
+/// Time allowed for the upstream's response headers, and between two chunks
+/// of its body, by default: 30 s.
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a pooled upstream connection may stay unused by default: 1 s.
+pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often expired records are purged by default: every 60 s.
+pub const DEFAULT_PURGE_INTERVAL: Duration = Duration::from_secs(60);
+/// How long a graceful shutdown waits by default: 30 s.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 /// Flags of `idem gateway`. Every flag can also be set by an environment
 /// variable `IDEM_<FLAG>`; a flag on the command line wins over the variable.
@@ -13,7 +36,8 @@ use idem_http::ScopeBy;
 /// Durations take a number and a unit (`500ms`, `30s`, `5m`, `24h`; see the
 /// `humantime` crate); `0` is accepted for `--wait`. Byte sizes take a plain
 /// number of bytes or a number with a suffix: `KB`/`MB`/`GB` (powers of 1000)
-/// or `KiB`/`MiB`/`GiB` (powers of 1024), case-insensitive.
+/// or `KiB`/`MiB`/`GiB` (powers of 1024), case-insensitive. The defaults
+/// shown by `--help` are those of [`GatewayConfig::new`].
 ///
 /// Parse with clap, then validate with [`GatewayArgs::into_config`]:
 ///
@@ -27,16 +51,16 @@ use idem_http::ScopeBy;
 /// let cli = Cli::try_parse_from(["idem", "--upstream", "http://127.0.0.1:3000", "--store", "memory://"]).unwrap();
 /// let config = cli.gateway.into_config().unwrap();
 /// assert_eq!(config.listen.to_string(), "127.0.0.1:8000");
-/// assert_eq!(config.methods, vec![http::Method::POST, http::Method::PATCH]);
+/// assert_eq!(config.layer.methods, vec![http::Method::POST, http::Method::PATCH]);
 /// ```
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct GatewayArgs {
     /// Address to listen on, `IP:PORT`.
     #[arg(
         long,
         env = "IDEM_LISTEN",
         value_name = "ADDR",
-        default_value = "127.0.0.1:8000"
+        default_value_t = DEFAULT_LISTEN
     )]
     pub listen: SocketAddr,
 
@@ -56,18 +80,18 @@ pub struct GatewayArgs {
         long,
         env = "IDEM_STORE",
         value_name = "URL",
-        default_value = "sqlite://idem.db"
+        default_value = DEFAULT_STORE
     )]
-    pub store: String,
+    pub store: RedactedUrl,
 
     /// How long a completed result is replayed.
-    #[arg(long, env = "IDEM_TTL", value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
+    #[arg(long, env = "IDEM_TTL", value_name = "DURATION", default_value = show_duration(Options::default().ttl), value_parser = parse_duration)]
     pub ttl: Duration,
 
     /// How long a claim holds before another request may take the key over
     /// (renewed while the upstream call runs). Must be above 0 and not longer
     /// than the TTL.
-    #[arg(long, env = "IDEM_LEASE", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "IDEM_LEASE", value_name = "DURATION", default_value = show_duration(Options::default().lease), value_parser = parse_duration)]
     pub lease: Duration,
 
     /// Guarded methods, comma-separated, case-insensitive. Safe methods
@@ -76,7 +100,7 @@ pub struct GatewayArgs {
         long,
         env = "IDEM_METHODS",
         value_name = "METHODS",
-        default_value = "POST,PATCH",
+        default_value = DEFAULT_METHODS.map(|m| m.to_string()).join(","),
         value_delimiter = ',',
         value_parser = parse_method
     )]
@@ -94,12 +118,12 @@ pub struct GatewayArgs {
     pub require_key: bool,
 
     /// Largest body of a guarded request, bytes (413 beyond).
-    #[arg(long, env = "IDEM_MAX_BODY", value_name = "BYTES", default_value = "10485760", value_parser = parse_size)]
+    #[arg(long, env = "IDEM_MAX_BODY", value_name = "BYTES", default_value = show_size(DEFAULT_MAX_BODY), value_parser = parse_size)]
     pub max_body: usize,
 
     /// Largest response body kept for replay, bytes. A larger response still
     /// reaches its first caller; duplicates get an error instead of a rerun.
-    #[arg(long, env = "IDEM_RETENTION_LIMIT", value_name = "BYTES", default_value = "1MiB", value_parser = parse_size)]
+    #[arg(long, env = "IDEM_RETENTION_LIMIT", value_name = "BYTES", default_value = show_size(DEFAULT_RETENTION_LIMIT), value_parser = parse_size)]
     pub retention_limit: usize,
 
     /// How long to wait for the upstream's response headers, and then for
@@ -108,7 +132,7 @@ pub struct GatewayArgs {
     /// that stalls: 502 `upstream-failed` (or, past `--retention-limit`,
     /// the response cut short). Either way the key stays in flight until
     /// its lease ends. Must be above 0.
-    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT", value_name = "DURATION", default_value = show_duration(DEFAULT_UPSTREAM_TIMEOUT), value_parser = parse_duration)]
     pub upstream_timeout: Duration,
 
     /// How long a pooled keep-alive connection to the upstream may stay
@@ -116,12 +140,12 @@ pub struct GatewayArgs {
     /// upstream's own keep-alive timeout (Node.js 5s, gunicorn 2s): a
     /// request sent on a connection the upstream is closing fails with an
     /// unknown outcome (502, key held until its lease ends). Must be above 0.
-    #[arg(long, env = "IDEM_UPSTREAM_IDLE_TIMEOUT", value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
+    #[arg(long, env = "IDEM_UPSTREAM_IDLE_TIMEOUT", value_name = "DURATION", default_value = show_duration(DEFAULT_UPSTREAM_IDLE_TIMEOUT), value_parser = parse_duration)]
     pub upstream_idle_timeout: Duration,
 
     /// How long a duplicate waits for an in-flight original to finish and
     /// then gets its replay; `0` answers 409 at once.
-    #[arg(long, env = "IDEM_WAIT", value_name = "DURATION", default_value = "0", value_parser = parse_duration)]
+    #[arg(long, env = "IDEM_WAIT", value_name = "DURATION", default_value = show_duration(Options::default().wait), value_parser = parse_duration)]
     pub wait: Duration,
 
     /// Most pooled connections to a PostgreSQL or MySQL store (SQLite and
@@ -130,7 +154,7 @@ pub struct GatewayArgs {
         long,
         env = "IDEM_STORE_POOL_SIZE",
         value_name = "N",
-        default_value = "16"
+        default_value_t = StoreOptions::default().pool_size
     )]
     pub store_pool_size: u32,
 
@@ -138,7 +162,7 @@ pub struct GatewayArgs {
     /// pooled connection; also the connect timeout at startup. A call cut
     /// off answers 503 before the upstream is called, or — while saving a
     /// result — leaves the key in flight until its lease ends.
-    #[arg(long, env = "IDEM_STORE_TIMEOUT", value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, env = "IDEM_STORE_TIMEOUT", value_name = "DURATION", default_value = show_duration(StoreOptions::default().timeout), value_parser = parse_duration)]
     pub store_timeout: Duration,
 
     /// DANGEROUS: when the store cannot be reached as a request arrives,
@@ -165,7 +189,7 @@ pub struct GatewayArgs {
         long = "scope-header",
         env = "IDEM_SCOPE_HEADER",
         value_name = "NAME",
-        default_value = "authorization",
+        default_value = show_scope(&ScopeBy::default()),
         value_delimiter = ','
     )]
     pub scope_header: Vec<String>,
@@ -173,7 +197,7 @@ pub struct GatewayArgs {
     /// How long a submit token from `POST /_idem/tokens` may be used for a
     /// first submit. Above 0; capped at `--ttl` (a result must outlive its
     /// token).
-    #[arg(long, env = "IDEM_TOKEN_TTL", value_name = "DURATION", default_value = "1h", value_parser = parse_duration)]
+    #[arg(long, env = "IDEM_TOKEN_TTL", value_name = "DURATION", default_value = show_duration(DEFAULT_TOKEN_TTL), value_parser = parse_duration)]
     pub token_ttl: Duration,
 
     /// Guarded requests whose path starts with this prefix (by path
@@ -189,6 +213,14 @@ pub struct GatewayArgs {
         value_delimiter = ','
     )]
     pub require_token: Vec<String>,
+
+    /// How often the gateway deletes expired records (completed ones past
+    /// `--ttl`, claims past their lease) from the store, in the background;
+    /// the first purge runs one interval after startup. Expired records are
+    /// never replayed, purged or not: this only bounds how long they take
+    /// up room. Must be above 0.
+    #[arg(long, env = "IDEM_PURGE_INTERVAL", value_name = "DURATION", default_value = show_duration(DEFAULT_PURGE_INTERVAL), value_parser = parse_duration)]
+    pub purge_interval: Duration,
 }
 
 impl GatewayArgs {
@@ -196,11 +228,12 @@ impl GatewayArgs {
     ///
     /// # Errors
     /// [`ConfigError`] when the lease is 0, the TTL is shorter than the
-    /// lease, the upstream timeout, the upstream idle timeout, the body limit, the store pool size or
-    /// the store timeout is 0, no method is given, the store URL names an
-    /// unsupported scheme or a bad `idem_*` option, or a
-    /// `--scope-header` name is not a usable header name
-    /// ([`ConfigError::ScopeHeader`]), the token TTL is 0, or a `--require-token` prefix does not start with `/`
+    /// lease, the upstream timeout, the upstream idle timeout, the body
+    /// limit, the store pool size, the store timeout or the purge interval
+    /// is 0, no method is given, the store URL names an unsupported scheme
+    /// or a bad `idem_*` option, or a `--scope-header` name is not a usable
+    /// header name ([`ConfigError::ScopeHeader`]), the token TTL is 0, or a
+    /// `--require-token` prefix does not start with `/`
     /// ([`ConfigError::RequireToken`]).
     pub fn into_config(self) -> Result<GatewayConfig, ConfigError> {
         let mut names: Vec<HeaderName> = Vec::with_capacity(self.scope_header.len());
@@ -211,98 +244,87 @@ impl GatewayArgs {
                 names.push(name);
             }
         }
-        let mut config = GatewayConfig::new(self.upstream);
-        config.scope = ScopeBy::Headers(names);
-        config.listen = self.listen;
-        config.store = self.store;
-        config.ttl = self.ttl;
-        config.lease = self.lease;
-        config.methods = self.methods;
-        config.require_key = self.require_key;
-        config.max_body = self.max_body;
-        config.retention_limit = self.retention_limit;
-        config.upstream_timeout = self.upstream_timeout;
-        config.upstream_idle_timeout = self.upstream_idle_timeout;
-        config.wait = self.wait;
-        config.store_pool_size = self.store_pool_size;
-        config.store_timeout = self.store_timeout;
-        config.fail_open = self.fail_open;
-        // A result must outlive its token: the token TTL is capped at the TTL.
-        config.token_ttl = self.token_ttl.min(self.ttl);
-        config.require_token = Vec::new();
+        let mut require_token = Vec::new();
         for raw in self.require_token {
             let prefix = parse_token_prefix(&raw).map_err(ConfigError::RequireToken)?;
-            if !config.require_token.contains(&prefix) {
-                config.require_token.push(prefix);
+            if !require_token.contains(&prefix) {
+                require_token.push(prefix);
             }
         }
+        let mut config = GatewayConfig::new(self.upstream);
+        config.listen = self.listen;
+        config.store = self.store;
+        config.store_options.pool_size = self.store_pool_size;
+        config.store_options.timeout = self.store_timeout;
+        config.layer = Options {
+            methods: self.methods,
+            require_key: self.require_key,
+            scope: ScopeBy::Headers(names),
+            max_body: self.max_body,
+            retention_limit: self.retention_limit,
+            lease: self.lease,
+            ttl: self.ttl,
+            wait: self.wait,
+            require_token,
+            // A result must outlive its token: the token TTL is capped at the TTL.
+            token_ttl: self.token_ttl.min(self.ttl),
+            ..config.layer
+        };
+        config.upstream_timeout = self.upstream_timeout;
+        config.upstream_idle_timeout = self.upstream_idle_timeout;
+        config.fail_open = self.fail_open;
+        config.purge_interval = self.purge_interval;
         config.validate()?;
         Ok(config)
     }
 }
 
-/// The gateway's validated settings. Build one with [`GatewayArgs::into_config`]
-/// or [`GatewayConfig::new`] (defaults as the flags') and adjust its fields;
-/// [`crate::Gateway::bind`] validates it again.
-#[derive(Clone)]
+/// The gateway's validated settings: the layer's ([`Self::layer`]), the
+/// store's ([`Self::store_options`]) and the gateway's own. Build one with
+/// [`GatewayArgs::into_config`] or [`GatewayConfig::new`] (defaults as the
+/// flags') and adjust its fields; [`crate::Gateway::bind`] validates it
+/// again.
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct GatewayConfig {
-    /// Listening address (default `127.0.0.1:8000`; port 0 picks a free port,
-    /// see [`crate::Gateway::local_addr`]).
+    /// Listening address (default [`DEFAULT_LISTEN`], `127.0.0.1:8000`;
+    /// port 0 picks a free port, see [`crate::Gateway::local_addr`]).
     pub listen: SocketAddr,
     /// The upstream, `http://host:port[/prefix]`.
     pub upstream: Uri,
-    /// Store URL (default `sqlite://idem.db`), see [`crate::open_store`].
-    pub store: String,
-    /// Replay window of a completed result (default 24 h).
-    pub ttl: Duration,
-    /// Lease of a claim (default 30 s), renewed every third of it while the
-    /// upstream call runs.
-    pub lease: Duration,
-    /// Guarded methods (default POST, PATCH).
-    pub methods: Vec<Method>,
-    /// Answer 400 to a guarded request without a key (default false).
-    pub require_key: bool,
-    /// Largest guarded request body, bytes (default 10,485,760).
-    pub max_body: usize,
-    /// Largest response body kept for replay, bytes (default 1,048,576).
-    pub retention_limit: usize,
+    /// Store URL (default [`DEFAULT_STORE`], `sqlite://idem.db`), see
+    /// [`crate::open_store`]; shown with its password as `***`.
+    pub store: RedactedUrl,
+    /// How the store is opened and how long one call may take (`--store-*`:
+    /// pool size 16, timeout 5 s by default).
+    pub store_options: StoreOptions,
+    /// The idempotency layer's settings (`--ttl`, `--lease`, `--wait`,
+    /// `--methods`, `--require-key`, `--max-body`, `--retention-limit`,
+    /// `--scope-header`, `--token-ttl`, `--require-token`), defaults as
+    /// [`Options::default`]. [`GatewayConfig::validate`] refuses an empty
+    /// `ScopeBy::Headers` list and names [`parse_scope_header`] refuses;
+    /// its `fail_open` guard is set by the gateway from [`Self::fail_open`].
+    pub layer: Options,
     /// Time allowed for the upstream's response headers, and then between
-    /// two chunks of its response body (default 30 s; above 0).
+    /// two chunks of its response body (default
+    /// [`DEFAULT_UPSTREAM_TIMEOUT`], 30 s; above 0).
     pub upstream_timeout: Duration,
     /// How long a pooled keep-alive connection to the upstream may stay
-    /// unused before it is closed rather than reused (default 1 s; above
-    /// 0). Keep it below the upstream's own keep-alive timeout.
+    /// unused before it is closed rather than reused (default
+    /// [`DEFAULT_UPSTREAM_IDLE_TIMEOUT`], 1 s; above 0). Keep it below the
+    /// upstream's own keep-alive timeout.
     pub upstream_idle_timeout: Duration,
-    /// How long a duplicate waits for an in-flight original (default 0: 409 at once).
-    pub wait: Duration,
-    /// How the caller's scope is derived (default: a SHA-256 of the
-    /// `Authorization` fields; none → the anonymous scope). `--scope-header`
-    /// sets `ScopeBy::Headers`; [`GatewayConfig::validate`] refuses an empty
-    /// header list and names [`parse_scope_header`] refuses.
-    pub scope: ScopeBy,
-    /// Most pooled connections to a PostgreSQL or MySQL store (default 16).
-    pub store_pool_size: u32,
-    /// The longest one store call may take (default 5 s), see
-    /// [`crate::StoreOptions::timeout`].
-    pub store_timeout: Duration,
     /// Forward requests unprotected when the store cannot be reached at
     /// `begin` (default false: answer 503). See the crate docs before
     /// turning it on.
     pub fail_open: bool,
-    /// How long a submit token from `POST /_idem/tokens` may be used for a
-    /// first submit (default 1 h; above 0). Tokens are issued for at most
-    /// `ttl`, whatever this says.
-    pub token_ttl: Duration,
-    /// Path prefixes whose guarded requests need a live submit token as
-    /// their key (default none), see [`idem_http::Options::require_token`].
-    /// Each starts with `/`.
-    pub require_token: Vec<String>,
-    /// How often expired records are purged (default 60 s). Not a flag.
+    /// How often expired records are purged (default
+    /// [`DEFAULT_PURGE_INTERVAL`], 60 s; above 0; `--purge-interval`).
     pub purge_interval: Duration,
     /// How long a graceful shutdown waits, in all, for in-flight requests
     /// and for the runs of guarded requests whose clients already left,
-    /// before it gives up on them (default 30 s). Not a flag.
+    /// before it gives up on them (default [`DEFAULT_SHUTDOWN_GRACE`],
+    /// 30 s). Not a flag.
     pub shutdown_grace: Duration,
 }
 
@@ -310,26 +332,16 @@ impl GatewayConfig {
     /// A configuration for `upstream` with every other setting at its default.
     pub fn new(upstream: Uri) -> Self {
         Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            listen: DEFAULT_LISTEN,
             upstream,
-            store: "sqlite://idem.db".to_owned(),
-            ttl: Duration::from_secs(24 * 3600),
-            lease: Duration::from_secs(30),
-            methods: vec![Method::POST, Method::PATCH],
-            require_key: false,
-            max_body: 10 * 1024 * 1024,
-            retention_limit: 1024 * 1024,
-            upstream_timeout: Duration::from_secs(30),
-            upstream_idle_timeout: Duration::from_secs(1),
-            wait: Duration::ZERO,
-            scope: ScopeBy::Headers(vec![AUTHORIZATION]),
-            store_pool_size: 16,
-            store_timeout: Duration::from_secs(5),
+            store: DEFAULT_STORE.into(),
+            store_options: StoreOptions::default(),
+            layer: Options::default(),
+            upstream_timeout: DEFAULT_UPSTREAM_TIMEOUT,
+            upstream_idle_timeout: DEFAULT_UPSTREAM_IDLE_TIMEOUT,
             fail_open: false,
-            token_ttl: Duration::from_secs(3600),
-            require_token: Vec::new(),
-            purge_interval: Duration::from_secs(60),
-            shutdown_grace: Duration::from_secs(30),
+            purge_interval: DEFAULT_PURGE_INTERVAL,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
         }
     }
 
@@ -338,14 +350,15 @@ impl GatewayConfig {
     /// # Errors
     /// The first problem found, as a [`ConfigError`].
     pub fn validate(&self) -> Result<(), ConfigError> {
+        let layer = &self.layer;
         parse_upstream(&self.upstream.to_string()).map_err(ConfigError::Upstream)?;
-        if self.lease.is_zero() {
+        if layer.lease.is_zero() {
             return Err(ConfigError::ZeroLease);
         }
-        if self.ttl < self.lease {
+        if layer.ttl < layer.lease {
             return Err(ConfigError::TtlShorterThanLease {
-                ttl: self.ttl,
-                lease: self.lease,
+                ttl: layer.ttl,
+                lease: layer.lease,
             });
         }
         if self.upstream_timeout.is_zero() {
@@ -354,32 +367,32 @@ impl GatewayConfig {
         if self.upstream_idle_timeout.is_zero() {
             return Err(ConfigError::Zero("--upstream-idle-timeout"));
         }
-        if self.max_body == 0 {
+        if layer.max_body == 0 {
             return Err(ConfigError::Zero("--max-body"));
         }
-        if self.store_pool_size == 0 {
+        if self.store_options.pool_size == 0 {
             return Err(ConfigError::Zero("--store-pool-size"));
         }
-        if self.store_timeout.is_zero() {
+        if self.store_options.timeout.is_zero() {
             return Err(ConfigError::Zero("--store-timeout"));
         }
         if self.purge_interval.is_zero() {
-            return Err(ConfigError::Zero("purge interval"));
+            return Err(ConfigError::Zero("--purge-interval"));
         }
-        if self.methods.is_empty() {
+        if layer.methods.is_empty() {
             return Err(ConfigError::NoMethods);
         }
-        if self.token_ttl.is_zero() {
+        if layer.token_ttl.is_zero() {
             return Err(ConfigError::Zero("--token-ttl"));
         }
-        for prefix in &self.require_token {
+        for prefix in &layer.require_token {
             parse_token_prefix(prefix).map_err(ConfigError::RequireToken)?;
         }
-        for m in &self.methods {
+        for m in &layer.methods {
             check_method(m).map_err(ConfigError::Method)?;
         }
-        crate::store::StoreKind::of_url(&self.store).map_err(ConfigError::Store)?;
-        if let ScopeBy::Headers(names) = &self.scope {
+        crate::store::StoreKind::of_url(self.store.expose()).map_err(ConfigError::Store)?;
+        if let ScopeBy::Headers(names) = &layer.scope {
             if names.is_empty() {
                 return Err(ConfigError::ScopeHeader(
                     "no header named; every caller would share one scope \
@@ -395,57 +408,54 @@ impl GatewayConfig {
     }
 }
 
-// Not derived: the store URL may hold a password, shown as `***`.
-impl std::fmt::Debug for GatewayArgs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GatewayArgs")
-            .field("listen", &self.listen)
-            .field("upstream", &self.upstream)
-            .field("store", &crate::store::redact(&self.store))
-            .field("ttl", &self.ttl)
-            .field("lease", &self.lease)
-            .field("methods", &self.methods)
-            .field("require_key", &self.require_key)
-            .field("max_body", &self.max_body)
-            .field("retention_limit", &self.retention_limit)
-            .field("upstream_timeout", &self.upstream_timeout)
-            .field("upstream_idle_timeout", &self.upstream_idle_timeout)
-            .field("wait", &self.wait)
-            .field("store_pool_size", &self.store_pool_size)
-            .field("store_timeout", &self.store_timeout)
-            .field("fail_open", &self.fail_open)
-            .field("scope_header", &self.scope_header)
-            .field("token_ttl", &self.token_ttl)
-            .field("require_token", &self.require_token)
-            .finish()
+/// A duration as `--help` shows it: the largest whole unit (`24h`, `30s`,
+/// `1m`, `250ms`), `0` for none; [`parse_duration`] reads it back.
+///
+/// ```
+/// use std::time::Duration;
+/// assert_eq!(idem_gateway::show_duration(Duration::from_secs(86_400)), "24h");
+/// assert_eq!(idem_gateway::show_duration(Duration::from_millis(1500)), "1500ms");
+/// assert_eq!(idem_gateway::show_duration(Duration::ZERO), "0");
+/// ```
+pub fn show_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms == 0 {
+        return "0".into();
     }
+    for (unit, per) in [("h", 3_600_000), ("m", 60_000), ("s", 1000)] {
+        if ms % per == 0 {
+            return format!("{}{unit}", ms / per);
+        }
+    }
+    format!("{ms}ms")
 }
 
-// Not derived: the store URL may hold a password, shown as `***`.
-impl std::fmt::Debug for GatewayConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GatewayConfig")
-            .field("listen", &self.listen)
-            .field("upstream", &self.upstream)
-            .field("store", &crate::store::redact(&self.store))
-            .field("ttl", &self.ttl)
-            .field("lease", &self.lease)
-            .field("methods", &self.methods)
-            .field("require_key", &self.require_key)
-            .field("max_body", &self.max_body)
-            .field("retention_limit", &self.retention_limit)
-            .field("upstream_timeout", &self.upstream_timeout)
-            .field("upstream_idle_timeout", &self.upstream_idle_timeout)
-            .field("wait", &self.wait)
-            .field("scope", &self.scope)
-            .field("store_pool_size", &self.store_pool_size)
-            .field("store_timeout", &self.store_timeout)
-            .field("fail_open", &self.fail_open)
-            .field("token_ttl", &self.token_ttl)
-            .field("require_token", &self.require_token)
-            .field("purge_interval", &self.purge_interval)
-            .field("shutdown_grace", &self.shutdown_grace)
-            .finish()
+/// A byte size as `--help` shows it: the largest whole binary unit
+/// (`10MiB`, `64KiB`), else bytes; [`parse_size`] reads it back.
+///
+/// ```
+/// assert_eq!(idem_gateway::show_size(10 * 1024 * 1024), "10MiB");
+/// assert_eq!(idem_gateway::show_size(1000), "1000");
+/// ```
+pub fn show_size(bytes: usize) -> String {
+    for (unit, per) in [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
+        if bytes != 0 && bytes % per == 0 {
+            return format!("{}{unit}", bytes / per);
+        }
+    }
+    bytes.to_string()
+}
+
+/// The header names of a scope, comma-separated as `--scope-header` takes
+/// them (`headers:`-less; `fixed` for a fixed scope).
+pub(crate) fn show_scope(scope: &ScopeBy) -> String {
+    match scope {
+        ScopeBy::Headers(names) => names
+            .iter()
+            .map(HeaderName::as_str)
+            .collect::<Vec<_>>()
+            .join(","),
+        ScopeBy::Fixed(_) => "fixed".to_owned(),
     }
 }
 
@@ -711,22 +721,56 @@ mod tests {
             .into_config()
             .unwrap();
         assert_eq!(c.listen, "127.0.0.1:8000".parse().unwrap());
-        assert_eq!(c.store, "sqlite://idem.db");
-        assert_eq!(c.ttl, Duration::from_secs(86400));
-        assert_eq!(c.lease, Duration::from_secs(30));
-        assert_eq!(c.methods, vec![Method::POST, Method::PATCH]);
-        assert!(!c.require_key);
-        assert_eq!(c.max_body, 10_485_760);
-        assert_eq!(c.retention_limit, 1_048_576);
+        assert_eq!(c.store.expose(), "sqlite://idem.db");
+        assert_eq!(c.layer.ttl, Duration::from_secs(86400));
+        assert_eq!(c.layer.lease, Duration::from_secs(30));
+        assert_eq!(c.layer.methods, vec![Method::POST, Method::PATCH]);
+        assert!(!c.layer.require_key);
+        assert_eq!(c.layer.max_body, 10_485_760);
+        assert_eq!(c.layer.retention_limit, 1_048_576);
         assert_eq!(c.upstream_timeout, Duration::from_secs(30));
         assert_eq!(c.upstream_idle_timeout, Duration::from_secs(1));
-        assert_eq!(c.wait, Duration::ZERO);
+        assert_eq!(c.layer.wait, Duration::ZERO);
         assert_eq!(scope_names(&c), vec!["authorization"]);
-        assert_eq!(c.store_pool_size, 16);
-        assert_eq!(c.store_timeout, Duration::from_secs(5));
+        assert_eq!(c.store_options.pool_size, 16);
+        assert_eq!(c.store_options.timeout, Duration::from_secs(5));
         assert!(!c.fail_open);
-        assert_eq!(c.token_ttl, Duration::from_secs(3600));
-        assert!(c.require_token.is_empty());
+        assert_eq!(c.layer.token_ttl, Duration::from_secs(3600));
+        assert!(c.layer.require_token.is_empty());
+    }
+
+    #[test]
+    fn purge_interval_flag() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        assert_eq!(g(&[]).unwrap().purge_interval, Duration::from_secs(60));
+        assert_eq!(
+            g(&["--purge-interval", "5m"]).unwrap().purge_interval,
+            Duration::from_secs(300)
+        );
+        assert!(matches!(
+            g(&["--purge-interval", "0"]),
+            Err(ConfigError::Zero("--purge-interval"))
+        ));
+    }
+
+    #[test]
+    fn help_shows_the_defaults_it_parses_back() {
+        let d = GatewayConfig::new("http://x:1".parse().unwrap());
+        let c = parse(&["--upstream", "http://x:1"])
+            .unwrap()
+            .g
+            .into_config()
+            .unwrap();
+        assert_eq!(format!("{:?}", c), format!("{:?}", d));
+        assert_eq!(parse_duration(&show_duration(d.layer.ttl)), Ok(d.layer.ttl));
+        assert_eq!(
+            parse_size(&show_size(d.layer.max_body)),
+            Ok(d.layer.max_body)
+        );
     }
 
     #[test]
@@ -745,15 +789,15 @@ mod tests {
             "15m",
         ])
         .unwrap();
-        assert_eq!(c.require_token, vec!["/pay", "/checkout/"]);
-        assert_eq!(c.token_ttl, Duration::from_secs(900));
+        assert_eq!(c.layer.require_token, vec!["/pay", "/checkout/"]);
+        assert_eq!(c.layer.token_ttl, Duration::from_secs(900));
         assert!(matches!(
             g(&["--token-ttl", "0"]),
             Err(ConfigError::Zero("--token-ttl"))
         ));
         let capped = g(&["--token-ttl", "2h", "--ttl", "30m"]).unwrap();
         assert_eq!(
-            capped.token_ttl,
+            capped.layer.token_ttl,
             Duration::from_secs(1800),
             "capped at --ttl"
         );
@@ -769,7 +813,7 @@ mod tests {
     }
 
     fn scope_names(c: &GatewayConfig) -> Vec<String> {
-        match &c.scope {
+        match &c.layer.scope {
             ScopeBy::Headers(names) => names.iter().map(ToString::to_string).collect(),
             ScopeBy::Fixed(s) => panic!("fixed scope {s:?}"),
         }
@@ -834,11 +878,11 @@ mod tests {
         }
         let mut c = GatewayConfig::new("http://x:1".parse().unwrap());
         c.store = "memory://".into();
-        c.scope = ScopeBy::Headers(Vec::new());
+        c.layer.scope = ScopeBy::Headers(Vec::new());
         assert!(matches!(c.validate(), Err(ConfigError::ScopeHeader(_))));
-        c.scope = ScopeBy::Headers(vec![HeaderName::from_static("upgrade")]);
+        c.layer.scope = ScopeBy::Headers(vec![HeaderName::from_static("upgrade")]);
         assert!(matches!(c.validate(), Err(ConfigError::ScopeHeader(_))));
-        c.scope = ScopeBy::Fixed(idem_core::Scope::new("tenant").unwrap());
+        c.layer.scope = ScopeBy::Fixed(idem_core::Scope::new("tenant").unwrap());
         assert!(c.validate().is_ok());
     }
 
@@ -878,17 +922,20 @@ mod tests {
         .g
         .into_config()
         .unwrap();
-        assert_eq!(c.lease, Duration::from_millis(1500));
-        assert_eq!(c.methods, vec![Method::POST, Method::PUT, Method::DELETE]);
-        assert!(c.require_key);
-        assert_eq!(c.max_body, 1_000_000);
-        assert_eq!(c.retention_limit, 65_536);
-        assert_eq!(c.wait, Duration::from_secs(2));
+        assert_eq!(c.layer.lease, Duration::from_millis(1500));
+        assert_eq!(
+            c.layer.methods,
+            vec![Method::POST, Method::PUT, Method::DELETE]
+        );
+        assert!(c.layer.require_key);
+        assert_eq!(c.layer.max_body, 1_000_000);
+        assert_eq!(c.layer.retention_limit, 65_536);
+        assert_eq!(c.layer.wait, Duration::from_secs(2));
         assert_eq!(c.upstream_timeout, Duration::from_secs(5));
         assert_eq!(c.upstream_idle_timeout, Duration::from_millis(250));
         assert_eq!(c.upstream.path(), "/api");
-        assert_eq!(c.store_pool_size, 4);
-        assert_eq!(c.store_timeout, Duration::from_millis(750));
+        assert_eq!(c.store_options.pool_size, 4);
+        assert_eq!(c.store_options.timeout, Duration::from_millis(750));
         assert!(c.fail_open);
     }
 
@@ -974,7 +1021,7 @@ mod tests {
             "redis://127.0.0.1:6379/?idem_prefix=app",
             "redis+cluster://a:1,b:2",
         ] {
-            assert_eq!(store(ok).unwrap().store, ok);
+            assert_eq!(store(ok).unwrap().store.expose(), ok);
         }
     }
 

@@ -172,6 +172,15 @@ impl Recent {
     }
 }
 
+/// `--fail-open` forwards a key only if this gateway did not see it
+/// claimed, in flight or completed within the window: a rerun of such a
+/// key would be a certain second execution.
+impl idem_http::FailOpenGuard for Recent {
+    fn allows(&self, scope: &Scope, key: &IdempotencyKey) -> bool {
+        !self.contains(scope, key)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -44,7 +44,7 @@
 //! | `--lease` | `IDEM_LEASE` | `30s` | claim lease, renewed while the call runs; > 0 and ≤ ttl |
 //! | `--methods` | `IDEM_METHODS` | `POST,PATCH` | guarded methods |
 //! | `--require-key` | `IDEM_REQUIRE_KEY` | off | 400 for a guarded request without key |
-//! | `--max-body` | `IDEM_MAX_BODY` | `10485760` | largest guarded request body (bytes; `10MiB`, `1MB` accepted) |
+//! | `--max-body` | `IDEM_MAX_BODY` | `10MiB` | largest guarded request body (bytes; `10MiB`, `1MB` accepted) |
 //! | `--retention-limit` | `IDEM_RETENTION_LIMIT` | `1MiB` | largest response body kept for replay |
 //! | `--upstream-timeout` | `IDEM_UPSTREAM_TIMEOUT` | `30s` | time allowed for the upstream's response headers, and for each gap between two chunks of its response body (idle timeout, not a bound on the whole body); > 0 |
 //! | `--upstream-idle-timeout` | `IDEM_UPSTREAM_IDLE_TIMEOUT` | `1s` | how long a pooled keep-alive connection to the upstream may sit unused before it is closed instead of reused; keep it below the upstream's keep-alive timeout (Node.js 5 s, gunicorn 2 s); > 0 |
@@ -52,6 +52,7 @@
 //! | `--scope-header NAME` | `IDEM_SCOPE_HEADER` | `authorization` | headers whose values scope a key (SHA-256 over them); repeatable, comma-separated |
 //! | `--token-ttl DURATION` | `IDEM_TOKEN_TTL` | `1h` | how long a submit token from `POST /_idem/tokens` may be used for a first submit; > 0, capped at `--ttl` |
 //! | `--require-token PATH_PREFIX` | `IDEM_REQUIRE_TOKEN` | none | guarded requests under this path prefix need a live submit token as their key (428 without one, 403 `token-unknown` for an unknown or expired one); repeatable, comma-separated |
+//! | `--purge-interval DURATION` | `IDEM_PURGE_INTERVAL` | `1m` | how often expired records are deleted from the store (the first purge one interval after start); an expired record is never replayed, purged or not; > 0 |
 //!
 //! ## Stores
 //!
@@ -196,10 +197,10 @@
 //! layer's tracked tasks) to store their results too. The whole wait is
 //! bounded by [`GatewayConfig::shutdown_grace`] (30 s); keys of runs still
 //! going then stay in flight until their leases end. Expired records are
-//! purged every [`GatewayConfig::purge_interval`] (60 s).
+//! purged every [`GatewayConfig::purge_interval`] (`--purge-interval`,
+//! 60 s), the first time one interval after start.
 
 mod config;
-mod fail_open;
 mod guard;
 mod proxy;
 mod server;
@@ -207,9 +208,13 @@ mod store;
 
 pub use config::{
     parse_duration, parse_method, parse_scope_header, parse_size, parse_token_prefix,
-    parse_upstream, ConfigError, GatewayArgs, GatewayConfig,
+    parse_upstream, show_duration, show_size, ConfigError, GatewayArgs, GatewayConfig,
+    DEFAULT_LISTEN, DEFAULT_PURGE_INTERVAL, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STORE,
+    DEFAULT_UPSTREAM_IDLE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
 };
-pub use fail_open::IDEMPOTENCY_STATUS;
+/// The response field that marks an answer given without protection
+/// (`Idempotency-Status: unprotected`, see [Store outages](#store-outages)).
+pub use idem_http::IDEMPOTENCY_STATUS;
 pub use proxy::{append_forwarded_for, strip_hop_by_hop, HOP_BY_HOP};
 pub use server::{shutdown_signal, Gateway, GatewayError, RESERVED_PREFIX};
 pub use store::{open_store, open_store_with, StoreOptions};

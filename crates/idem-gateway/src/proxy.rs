@@ -5,7 +5,7 @@ use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -18,9 +18,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use idem_http::{problem, BoxBody, BoxError, Disposition};
-use tokio::time::{Instant, Sleep};
-
-use crate::fail_open::ProxyCalled;
+use tower_http::timeout::{TimeoutBody, TimeoutError};
 
 /// Hop-by-hop fields (RFC 9110 §7.6.1) and their removal, shared with the
 /// layer's replays; `Idempotency-Key` is kept even when `Connection` names it.
@@ -143,9 +141,6 @@ impl tower_service::Service<Request<BoxBody>> for Proxy {
     }
 
     fn call(&mut self, req: Request<BoxBody>) -> Self::Future {
-        if let Some(called) = req.extensions().get::<ProxyCalled>() {
-            called.mark();
-        }
         let this = self.clone();
         Box::pin(async move { Ok(this.forward(req).await) })
     }
@@ -159,7 +154,7 @@ fn with_disposition(mut resp: Response<BoxBody>, d: Disposition) -> Response<Box
 impl Proxy {
     /// Forwards one request and answers with the upstream's response, or a
     /// problem (502/504) carrying the key's [`Disposition`].
-    pub(crate) async fn forward(self, req: Request<BoxBody>) -> Response<BoxBody> {
+    async fn forward(self, req: Request<BoxBody>) -> Response<BoxBody> {
         let (mut parts, body) = req.into_parts();
         if parts.method == Method::CONNECT {
             return with_disposition(
@@ -224,7 +219,7 @@ impl Proxy {
                 // into HTTP/1.0 (hyper would then close the client's
                 // keep-alive connection).
                 parts.version = Version::HTTP_11;
-                Response::from_parts(parts, IdleTimeout::new(body, self.timeout).boxed_unsync())
+                Response::from_parts(parts, UpstreamBody::new(body, self.timeout).boxed_unsync())
             }
             Ok(Err(e)) if e.is_connect() => {
                 tracing::warn!(%method, %path, error = %error_chain(&e), "upstream unreachable; nothing was sent");
@@ -265,47 +260,54 @@ impl Proxy {
     }
 }
 
-/// A response body that fails when the upstream sends no frame for
-/// `timeout` (`--upstream-timeout`) while it is being read: an upstream
-/// that stalls mid-body must not hold the key, and its first caller,
-/// forever. The time counts from each `poll_frame` that starts waiting
-/// for a new frame, so a slow reader downstream is never blamed on the
-/// upstream.
-///
-/// The error reaches the idempotency layer like any broken body: within
-/// `--retention-limit` the caller gets 502 `upstream-failed` and the key is
-/// held until its lease ends; past it, the streamed response is cut short.
-pub(crate) struct IdleTimeout<B> {
-    inner: B,
-    timeout: Duration,
-    sleep: Pin<Box<Sleep>>,
-    /// Whether `sleep` is set for the frame now awaited.
-    armed: bool,
-    /// Whether the timeout fired (the body then ends).
-    fired: bool,
+pin_project_lite::pin_project! {
+    /// The upstream's response body, failing when the upstream sends no
+    /// frame for `timeout` (`--upstream-timeout`) while it is being read:
+    /// an upstream that stalls mid-body must not hold the key, and its first
+    /// caller, forever. The idle timeout is tower-http's [`TimeoutBody`]: it
+    /// counts from each `poll_frame` that starts waiting for a new frame, so
+    /// a slow reader downstream is never blamed on the upstream.
+    ///
+    /// Around it, this body keeps what `TimeoutBody` does not pass on: the
+    /// upstream's declared length ([`Body::size_hint`], by which the layer
+    /// streams a body declared larger than `--retention-limit` without
+    /// buffering it), an error that names the timeout ([`BodyIdle`]), and the
+    /// end after an error.
+    ///
+    /// The error reaches the idempotency layer like any broken body: within
+    /// `--retention-limit` the caller gets 502 `upstream-failed` and the key is
+    /// held until its lease ends; past it, the streamed response is cut short.
+    pub(crate) struct UpstreamBody<B> {
+        #[pin]
+        body: TimeoutBody<B>,
+        timeout: Duration,
+        // What is left of the declared length.
+        left: SizeHint,
+        // The body ended or failed: no more frames.
+        ended: bool,
+    }
 }
 
-impl<B> IdleTimeout<B> {
-    /// Wraps `inner`; must be called within a Tokio runtime.
-    pub(crate) fn new(inner: B, timeout: Duration) -> Self {
+impl<B: Body> UpstreamBody<B> {
+    /// Wraps `body`; must be polled within a Tokio runtime.
+    pub(crate) fn new(body: B, timeout: Duration) -> Self {
         Self {
-            inner,
+            left: body.size_hint(),
+            body: TimeoutBody::new(timeout, body),
             timeout,
-            sleep: Box::pin(tokio::time::sleep(timeout)),
-            armed: false,
-            fired: false,
+            ended: false,
         }
     }
 }
 
-/// The error of an [`IdleTimeout`] body.
+/// The error of an [`UpstreamBody`] that timed out.
 #[derive(Debug, thiserror::Error)]
 #[error("the upstream sent no part of its response body for {}", humantime::format_duration(*.0))]
 pub(crate) struct BodyIdle(Duration);
 
-impl<B> Body for IdleTimeout<B>
+impl<B> Body for UpstreamBody<B>
 where
-    B: Body<Data = Bytes> + Unpin,
+    B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     type Data = Bytes;
@@ -315,41 +317,53 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.get_mut();
-        if this.fired {
+        let this = self.project();
+        if *this.ended {
             return Poll::Ready(None);
         }
-        if !this.armed {
-            let deadline = Instant::now() + this.timeout;
-            this.sleep.as_mut().reset(deadline);
-            this.armed = true;
-        }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(frame) => {
-                this.armed = false;
-                Poll::Ready(frame.map(|r| r.map_err(Into::into)))
-            }
-            Poll::Pending => match this.sleep.as_mut().poll(cx) {
-                Poll::Ready(()) => {
-                    this.fired = true;
-                    Poll::Ready(Some(Err(BodyIdle(this.timeout).into())))
+        let frame = ready!(this.body.poll_frame(cx));
+        match &frame {
+            Some(Ok(f)) => {
+                if let Some(data) = f.data_ref() {
+                    *this.left = shrunk(*this.left, data.len());
                 }
-                Poll::Pending => Poll::Pending,
-            },
+            }
+            _ => *this.ended = true,
         }
+        let timeout = *this.timeout;
+        Poll::Ready(frame.map(|r| {
+            r.map_err(|e| {
+                if e.is::<TimeoutError>() {
+                    BodyIdle(timeout).into()
+                } else {
+                    e
+                }
+            })
+        }))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.fired || self.inner.is_end_stream()
+        self.ended || self.left.exact() == Some(0)
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.fired {
+        if self.ended {
             SizeHint::with_exact(0)
         } else {
-            self.inner.size_hint()
+            self.left
         }
     }
+}
+
+/// `hint` less `n` bytes received.
+fn shrunk(hint: SizeHint, n: usize) -> SizeHint {
+    let n = n as u64;
+    let mut left = SizeHint::new();
+    left.set_lower(hint.lower().saturating_sub(n));
+    if let Some(upper) = hint.upper() {
+        left.set_upper(upper.saturating_sub(n));
+    }
+    left
 }
 
 /// An error and its sources, `outer: inner: innermost`.
@@ -367,6 +381,7 @@ pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::time::Instant;
 
     #[test]
     fn strips_listed_and_fixed_hop_by_hop_fields() {
@@ -423,10 +438,10 @@ mod tests {
     async fn a_body_that_stops_sending_fails_after_the_idle_timeout() {
         use futures::StreamExt;
         let stalled = frames(2).chain(futures::stream::pending());
-        let mut body = IdleTimeout::new(
+        let mut body = std::pin::pin!(UpstreamBody::new(
             http_body_util::StreamBody::new(stalled),
             Duration::from_secs(2),
-        );
+        ));
         assert!(body.frame().await.unwrap().is_ok());
         assert!(body.frame().await.unwrap().is_ok());
         let started = Instant::now();
@@ -438,12 +453,25 @@ mod tests {
         assert!(body.is_end_stream());
     }
 
+    #[tokio::test]
+    async fn the_declared_length_is_passed_on() {
+        let mut body = std::pin::pin!(UpstreamBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"abcd")),
+            Duration::from_secs(1),
+        ));
+        assert_eq!(body.size_hint().exact(), Some(4));
+        assert!(!body.is_end_stream());
+        assert!(body.frame().await.unwrap().is_ok());
+        assert_eq!(body.size_hint().exact(), Some(0));
+        assert!(body.is_end_stream());
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_slow_reader_is_not_blamed_on_the_upstream() {
-        let mut body = IdleTimeout::new(
+        let mut body = std::pin::pin!(UpstreamBody::new(
             http_body_util::StreamBody::new(frames(3)),
             Duration::from_secs(1),
-        );
+        ));
         let mut got = Vec::new();
         while let Some(frame) = body.frame().await {
             got.extend_from_slice(&frame.unwrap().into_data().unwrap());

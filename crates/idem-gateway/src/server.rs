@@ -9,9 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -19,21 +17,23 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use idem_core::token::IssueError;
 use idem_core::{DynStore, IdempotencyKey, Scope, StoreError};
-use idem_http::{problem, BoxBody, BoxError, IdempotencyLayer, ScopeBy};
-use tokio::net::TcpListener;
-use tower::{Layer, ServiceExt};
+use idem_http::{problem, BoxBody, IdempotencyLayer, IdempotencyService, ScopeBy, TaskTracker};
+use tokio::net::{TcpListener, TcpStream};
+use tower::Layer;
 
-use crate::config::{ConfigError, GatewayConfig};
-use crate::fail_open::FailOpen;
+use crate::config::{show_scope, ConfigError, GatewayConfig};
 use crate::guard::{GuardedStore, Recent};
-use crate::proxy::{self, error_chain, Proxy, Upstream};
-use crate::store::{open_store_with, redact, StoreKind, StoreOptions};
+use crate::proxy::{self, error_chain, Proxy, Upstream, UpstreamClient};
+use crate::store::{open_store_with, StoreKind};
 
 /// Paths under this prefix are answered by the gateway itself and never proxied.
 pub const RESERVED_PREFIX: &str = "/_idem/";
 
 /// How long `GET /_idem/health` waits for the store.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a client may take to send a request's headers.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -80,9 +80,11 @@ pub enum GatewayError {
 /// ```
 pub struct Gateway {
     config: GatewayConfig,
+    /// The store, every call bounded by `store_options.timeout`.
     store: DynStore,
     kind: &'static str,
-    fail_open: Option<Arc<FailOpen>>,
+    /// Keys seen claimed or done (with `fail_open` only).
+    recent: Option<Arc<Recent>>,
     upstream: Arc<Upstream>,
     listener: TcpListener,
     local_addr: SocketAddr,
@@ -94,7 +96,7 @@ impl std::fmt::Debug for Gateway {
         f.debug_struct("Gateway")
             .field("local_addr", &self.local_addr)
             .field("upstream", &self.config.upstream)
-            .field("store", &redact(&self.config.store))
+            .field("store", &self.config.store)
             .field("kind", &self.kind)
             .field("fail_open", &self.config.fail_open)
             .finish_non_exhaustive()
@@ -103,8 +105,8 @@ impl std::fmt::Debug for Gateway {
 
 impl Gateway {
     /// Validates `config`, opens its store ([`crate::open_store_with`],
-    /// with `store_pool_size` and `store_timeout`) and binds the listening
-    /// socket. Nothing is served until [`Gateway::serve`].
+    /// with `config.store_options`) and binds the listening socket.
+    /// Nothing is served until [`Gateway::serve`].
     ///
     /// A store that cannot be reached now is an error (fail fast: a
     /// supervisor restarts the gateway, and a misconfigured URL is found at
@@ -115,18 +117,15 @@ impl Gateway {
     /// # Errors
     /// [`GatewayError::Config`] for an invalid configuration,
     /// [`GatewayError::Store`] when the store cannot be opened within
-    /// `store_timeout`, [`GatewayError::Bind`] when the address cannot be
-    /// bound.
+    /// `store_options.timeout`, [`GatewayError::Bind`] when the address
+    /// cannot be bound.
     pub async fn bind(config: GatewayConfig) -> Result<Gateway, GatewayError> {
         config.validate()?;
-        let options = StoreOptions::default()
-            .with_pool_size(config.store_pool_size)
-            .with_timeout(config.store_timeout);
-        let store = open_store_with(&config.store, &options)
+        let store = open_store_with(config.store.expose(), &config.store_options)
             .await
             .map_err(|source| GatewayError::Store {
-                kind: StoreKind::of_url(&config.store).map_or("custom", StoreKind::name),
-                url: redact(&config.store),
+                kind: StoreKind::of_url(config.store.expose()).map_or("custom", StoreKind::name),
+                url: config.store.redacted(),
                 source,
             })?;
         Self::bind_with_store(config, store).await
@@ -135,7 +134,7 @@ impl Gateway {
     /// Like [`Gateway::bind`] with a store the caller opened (any
     /// [`idem_core::Store`]); `config.store` is then only reported by
     /// `/_idem/health` and the startup log. Every call to the store is
-    /// still bounded by `config.store_timeout`.
+    /// still bounded by `config.store_options.timeout`.
     ///
     /// # Errors
     /// As [`Gateway::bind`], without the store errors.
@@ -144,44 +143,36 @@ impl Gateway {
         store: DynStore,
     ) -> Result<Gateway, GatewayError> {
         let mut checked = config.clone();
-        if StoreKind::of_url(&checked.store).is_err() {
+        if StoreKind::of_url(checked.store.expose()).is_err() {
             // A caller-supplied store need not have a URL we know.
             checked.store = "memory://".into();
         }
         checked.validate()?;
-        let kind = StoreKind::of_url(&config.store).map_or("custom", StoreKind::name);
-        let fail_open = config.fail_open.then(|| {
-            Arc::new(FailOpen {
-                methods: config.methods.clone(),
-                scope: config.scope.clone(),
-                max_body: config.max_body,
-                recent: Arc::new(Recent::new(config.lease.saturating_add(config.wait))),
-            })
+        let kind = StoreKind::of_url(config.store.expose()).map_or("custom", StoreKind::name);
+        let recent = config.fail_open.then(|| {
+            Arc::new(Recent::new(
+                config.layer.lease.saturating_add(config.layer.wait),
+            ))
         });
         let store: DynStore = Arc::new(GuardedStore::new(
             store,
-            config.store_timeout,
-            fail_open.as_ref().map(|f| f.recent.clone()),
+            config.store_options.timeout,
+            recent.clone(),
         ));
         let upstream = Upstream::new(&config.upstream)
             .map(Arc::new)
             .map_err(|e| GatewayError::Config(ConfigError::Upstream(e)))?;
-        let listener =
-            TcpListener::bind(config.listen)
-                .await
-                .map_err(|source| GatewayError::Bind {
-                    addr: config.listen,
-                    source,
-                })?;
-        let local_addr = listener.local_addr().map_err(|source| GatewayError::Bind {
+        let bind_error = |source| GatewayError::Bind {
             addr: config.listen,
             source,
-        })?;
+        };
+        let listener = TcpListener::bind(config.listen).await.map_err(bind_error)?;
+        let local_addr = listener.local_addr().map_err(bind_error)?;
         Ok(Gateway {
             config,
             store,
             kind,
-            fail_open,
+            recent,
             upstream,
             listener,
             local_addr,
@@ -194,8 +185,8 @@ impl Gateway {
         self.local_addr
     }
 
-    /// The store the gateway uses (every call bounded by
-    /// [`GatewayConfig::store_timeout`]).
+    /// The store the gateway uses (every call bounded by the
+    /// configuration's `store_options.timeout`).
     pub fn store(&self) -> &DynStore {
         &self.store
     }
@@ -210,7 +201,8 @@ impl Gateway {
     /// abandoned and their keys stay in flight until their leases end.
     ///
     /// A background task purges expired records every
-    /// [`GatewayConfig::purge_interval`]; its errors are logged.
+    /// [`GatewayConfig::purge_interval`] (`--purge-interval`); its errors
+    /// are logged.
     ///
     /// # Errors
     /// None today (accept errors such as running out of file descriptors
@@ -223,148 +215,208 @@ impl Gateway {
             config,
             store,
             kind,
-            fail_open,
+            recent,
             upstream,
             listener,
             local_addr,
         } = self;
-        let layer = IdempotencyLayer::new(store.clone())
-            .with_methods(config.methods.clone())
-            .with_require_key(config.require_key)
-            .with_scope(config.scope.clone())
-            .with_max_body(config.max_body)
-            .with_retention_limit(config.retention_limit)
-            .with_lease(config.lease)
-            .with_ttl(config.ttl)
-            .with_wait(config.wait)
-            .with_require_token(config.require_token.clone())
-            .with_token_ttl(config.token_ttl);
-        let tokens = Arc::new(layer.clone());
-        let client = proxy::client(config.upstream_timeout, config.upstream_idle_timeout);
-        let methods: Vec<&str> = config.methods.iter().map(Method::as_str).collect();
-        let scope = match &config.scope {
-            ScopeBy::Headers(names) => {
-                let names: Vec<&str> = names.iter().map(http::HeaderName::as_str).collect();
-                format!("headers:{}", names.join(","))
-            }
-            ScopeBy::Fixed(_) => "fixed".to_owned(),
-        };
-        tracing::info!(
-            listen = %local_addr,
-            upstream = %config.upstream,
-            store = %redact(&config.store),
-            store_kind = kind,
-            store_pool_size = config.store_pool_size,
-            store_timeout = %humantime::format_duration(config.store_timeout),
-            fail_open = config.fail_open,
-            ttl = %humantime::format_duration(config.ttl),
-            lease = %humantime::format_duration(config.lease),
-            methods = %methods.join(","),
-            require_key = config.require_key,
-            max_body = config.max_body,
-            retention_limit = config.retention_limit,
-            upstream_timeout = %humantime::format_duration(config.upstream_timeout),
-            wait = %humantime::format_duration(config.wait),
-            scope = %scope,
-            token_ttl = %humantime::format_duration(config.token_ttl),
-            require_token = %config.require_token.join(","),
-            "idem gateway listening"
-        );
-        if config.store_timeout.saturating_mul(3) > config.lease {
-            tracing::warn!(
-                store_timeout = %humantime::format_duration(config.store_timeout),
-                lease = %humantime::format_duration(config.lease),
-                "--store-timeout is more than a third of --lease: a slow lease renewal can let \
-                 the lease run out while the upstream call runs"
-            );
-        }
-        if config.fail_open {
-            tracing::warn!(
-                "--fail-open is ON: while the store is unreachable, requests go to the upstream \
-                 WITHOUT idempotency protection and a retried request can run twice"
-            );
-        }
-
+        log_startup(&config, kind, local_addr);
         let purge = tokio::spawn(purge_loop(store.clone(), config.purge_interval));
+        let routes = Routes::new(&config, store, kind, recent, upstream);
         let graceful = GracefulShutdown::new();
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(Duration::from_secs(30));
-        tokio::pin!(shutdown);
-        loop {
-            let accepted = tokio::select! {
-                biased;
-                () = &mut shutdown => break,
-                r = listener.accept() => r,
-            };
-            let (stream, peer) = match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let proxy = Proxy {
-                client: client.clone(),
-                upstream: upstream.clone(),
-                timeout: config.upstream_timeout,
-                peer,
-            };
-            let svc = TowerToHyperService::new(Root {
-                inner: LayeredProxy::new(layer.layer(proxy.clone())),
-                proxy,
-                store: store.clone(),
-                kind,
-                fail_open: fail_open.clone(),
-                tokens: tokens.clone(),
-            });
-            let watcher = graceful.watcher();
-            let builder = builder.clone();
-            tokio::spawn(async move {
-                let conn = builder.serve_connection(TokioIo::new(stream), svc);
-                if let Err(e) = watcher.watch(conn).await {
-                    tracing::debug!(%peer, error = %error_chain(&*e), "connection closed with an error");
-                }
-            });
-        }
-        drop(listener);
-        let tracker = layer.tracker().clone();
-        tracing::info!(
-            connections = graceful.count(),
-            runs = tracker.len(),
-            "shutting down: no new connections; waiting for in-flight requests"
-        );
-        let deadline = tokio::time::Instant::now() + config.shutdown_grace;
-        tokio::select! {
-            () = graceful.shutdown() => tracing::info!("all connections closed"),
-            () = tokio::time::sleep_until(deadline) => tracing::warn!(
-                grace = %humantime::format_duration(config.shutdown_grace),
-                "in-flight requests did not finish in time; their keys stay in flight until their leases end"
-            ),
-        }
-        // Guarded requests whose clients left run on in the layer's tasks;
-        // wait for them to store their results before the process can exit.
-        tracker.close();
-        if !tracker.is_empty() {
-            tracing::info!(
-                runs = tracker.len(),
-                "waiting for guarded requests whose clients left to store their results"
-            );
-        }
-        tokio::select! {
-            () = tracker.wait() => {}
-            () = tokio::time::sleep_until(deadline) => tracing::warn!(
-                runs = tracker.len(),
-                grace = %humantime::format_duration(config.shutdown_grace),
-                "guarded requests did not finish in time; their keys stay in flight until their leases end"
-            ),
-        }
+        accept_until(listener, shutdown, &routes, &graceful).await;
+        drain(graceful, routes.layer.tracker(), config.shutdown_grace).await;
         purge.abort();
         Ok(())
+    }
+}
+
+/// The one line that says how the gateway runs, and warnings for settings
+/// that can hurt.
+fn log_startup(config: &GatewayConfig, kind: &'static str, local_addr: SocketAddr) {
+    let layer = &config.layer;
+    let methods: Vec<&str> = layer.methods.iter().map(Method::as_str).collect();
+    let scope = match &layer.scope {
+        ScopeBy::Headers(_) => format!("headers:{}", show_scope(&layer.scope)),
+        ScopeBy::Fixed(_) => show_scope(&layer.scope),
+    };
+    tracing::info!(
+        listen = %local_addr,
+        upstream = %config.upstream,
+        store = %config.store,
+        store_kind = kind,
+        store_pool_size = config.store_options.pool_size,
+        store_timeout = %humantime::format_duration(config.store_options.timeout),
+        fail_open = config.fail_open,
+        ttl = %humantime::format_duration(layer.ttl),
+        lease = %humantime::format_duration(layer.lease),
+        methods = %methods.join(","),
+        require_key = layer.require_key,
+        max_body = layer.max_body,
+        retention_limit = layer.retention_limit,
+        upstream_timeout = %humantime::format_duration(config.upstream_timeout),
+        wait = %humantime::format_duration(layer.wait),
+        scope = %scope,
+        token_ttl = %humantime::format_duration(layer.token_ttl),
+        require_token = %layer.require_token.join(","),
+        purge_interval = %humantime::format_duration(config.purge_interval),
+        "idem gateway listening"
+    );
+    if config.store_options.timeout.saturating_mul(3) > layer.lease {
+        tracing::warn!(
+            store_timeout = %humantime::format_duration(config.store_options.timeout),
+            lease = %humantime::format_duration(layer.lease),
+            "--store-timeout is more than a third of --lease: a slow lease renewal can let \
+             the lease run out while the upstream call runs"
+        );
+    }
+    if config.fail_open {
+        tracing::warn!(
+            "--fail-open is ON: while the store is unreachable, requests go to the upstream \
+             WITHOUT idempotency protection and a retried request can run twice"
+        );
+    }
+}
+
+/// What every connection's service is made of.
+struct Routes {
+    /// The idempotency layer over the guarded store (with the fail-open
+    /// guard when `fail_open` is on).
+    layer: IdempotencyLayer,
+    /// The same layer, shared, for `POST /_idem/tokens`.
+    tokens: Arc<IdempotencyLayer>,
+    client: UpstreamClient,
+    upstream: Arc<Upstream>,
+    upstream_timeout: Duration,
+    store: DynStore,
+    kind: &'static str,
+}
+
+impl Routes {
+    fn new(
+        config: &GatewayConfig,
+        store: DynStore,
+        kind: &'static str,
+        recent: Option<Arc<Recent>>,
+        upstream: Arc<Upstream>,
+    ) -> Self {
+        let mut options = config.layer.clone();
+        if let Some(recent) = recent {
+            options.fail_open = Some(recent);
+        }
+        let layer = IdempotencyLayer::from_parts(store.clone(), options);
+        Self {
+            tokens: Arc::new(layer.clone()),
+            layer,
+            client: proxy::client(config.upstream_timeout, config.upstream_idle_timeout),
+            upstream,
+            upstream_timeout: config.upstream_timeout,
+            store,
+            kind,
+        }
+    }
+
+    /// The service for one connection from `peer`.
+    fn root(&self, peer: SocketAddr) -> Root {
+        let proxy = Proxy {
+            client: self.client.clone(),
+            upstream: self.upstream.clone(),
+            timeout: self.upstream_timeout,
+            peer,
+        };
+        Root {
+            inner: self.layer.layer(proxy),
+            store: self.store.clone(),
+            kind: self.kind,
+            tokens: self.tokens.clone(),
+        }
+    }
+}
+
+/// Accepts connections until `shutdown` resolves, each served on its own
+/// task watched by `graceful`; then closes the listening socket.
+async fn accept_until(
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    routes: &Routes,
+    graceful: &GracefulShutdown,
+) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            r = listener.accept() => r,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                serve_connection(&builder, graceful, stream, peer, routes.root(peer));
+            }
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(error = %e, "accepting a connection failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Serves one connection on a task of its own, watched by `graceful`.
+fn serve_connection(
+    builder: &auto::Builder<TokioExecutor>,
+    graceful: &GracefulShutdown,
+    stream: TcpStream,
+    peer: SocketAddr,
+    root: Root,
+) {
+    let watcher = graceful.watcher();
+    let builder = builder.clone();
+    tokio::spawn(async move {
+        let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(root));
+        if let Err(e) = watcher.watch(conn).await {
+            tracing::debug!(%peer, error = %error_chain(&*e), "connection closed with an error");
+        }
+    });
+}
+
+/// Waits, for at most `grace` in all, for the open connections to finish
+/// their requests and then for the layer's runs whose clients left
+/// (`tracker`) to store their results.
+async fn drain(graceful: GracefulShutdown, tracker: &TaskTracker, grace: Duration) {
+    tracing::info!(
+        connections = graceful.count(),
+        runs = tracker.len(),
+        "shutting down: no new connections; waiting for in-flight requests"
+    );
+    let deadline = tokio::time::Instant::now() + grace;
+    tokio::select! {
+        () = graceful.shutdown() => tracing::info!("all connections closed"),
+        () = tokio::time::sleep_until(deadline) => tracing::warn!(
+            grace = %humantime::format_duration(grace),
+            "in-flight requests did not finish in time; their keys stay in flight until their leases end"
+        ),
+    }
+    // Guarded requests whose clients left run on in the layer's tasks;
+    // wait for them to store their results before the process can exit.
+    tracker.close();
+    if !tracker.is_empty() {
+        tracing::info!(
+            runs = tracker.len(),
+            "waiting for guarded requests whose clients left to store their results"
+        );
+    }
+    tokio::select! {
+        () = tracker.wait() => {}
+        () = tokio::time::sleep_until(deadline) => tracing::warn!(
+            runs = tracker.len(),
+            grace = %humantime::format_duration(grace),
+            "guarded requests did not finish in time; their keys stay in flight until their leases end"
+        ),
     }
 }
 
@@ -413,33 +465,27 @@ async fn purge_loop(store: DynStore, every: Duration) {
 }
 
 /// Routes `/_idem/*` to the gateway's own endpoints and everything else to
-/// the idempotency layer around the proxy.
+/// the idempotency layer around the proxy (which fails open by itself when
+/// configured to).
 #[derive(Clone)]
 struct Root {
-    inner: LayeredProxy,
-    proxy: Proxy,
+    inner: IdempotencyService<Proxy>,
     store: DynStore,
     kind: &'static str,
-    fail_open: Option<Arc<FailOpen>>,
-    /// The layer's settings, for `POST /_idem/tokens` (issuing in the
-    /// scope the layer derives) and for the token routes.
+    /// The layer, for `POST /_idem/tokens` (issuing in the scope the layer
+    /// derives).
     tokens: Arc<IdempotencyLayer>,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
-/// The idempotency layer around the proxy, type-erased (naming its future
-/// in an `async` block trips a higher-ranked lifetime limitation of rustc).
-pub(crate) type LayeredProxy =
-    tower::util::BoxCloneService<Request<BoxBody>, Response<BoxBody>, Infallible>;
 
 impl tower_service::Service<Request<Incoming>> for Root {
     type Response = Response<BoxBody>;
     type Error = Infallible;
     type Future = BoxFuture<Result<Response<BoxBody>, Infallible>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        tower_service::Service::<Request<Incoming>>::poll_ready(&mut self.inner, cx)
     }
 
     fn call(&mut self, req: Request<Incoming>) -> Self::Future {
@@ -450,20 +496,7 @@ impl tower_service::Service<Request<Incoming>> for Root {
             let tokens = self.tokens.clone();
             return Box::pin(async move { Ok(internal(req, store, kind, &tokens).await) });
         }
-        let inner = self.inner.clone();
-        // A token route never fails open: a token cannot be checked
-        // without the store.
-        let token_route = self.tokens.options().token_required(path);
-        if let (Some(fo), false) = (&self.fail_open, token_route) {
-            if let Some(key) = fo.key_of(&req) {
-                let fo = fo.clone();
-                let proxy = self.proxy.clone();
-                return Box::pin(async move { Ok(fo.respond(inner, proxy, req, key).await) });
-            }
-        }
-        Box::pin(
-            inner.oneshot(req.map(|b| b.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync())),
-        )
+        Box::pin(self.inner.call(req))
     }
 }
 
@@ -485,31 +518,13 @@ async fn internal(
         );
     }
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        let mut resp = problem(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method-not-allowed",
-            "/_idem/health answers GET and HEAD",
-        );
-        resp.headers_mut()
-            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
-        return resp;
+        return method_not_allowed("/_idem/health answers GET and HEAD", "GET, HEAD");
     }
     match check_store(&store).await {
-        Ok(()) => {
-            let body = serde_json::json!({ "status": "ok", "store": kind }).to_string();
-            let mut resp = Response::new(
-                Full::new(Bytes::from(body))
-                    .map_err(|e| match e {})
-                    .boxed_unsync(),
-            );
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            resp.headers_mut()
-                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-            resp
-        }
+        Ok(()) => json(
+            StatusCode::OK,
+            &serde_json::json!({ "status": "ok", "store": kind }),
+        ),
         Err(detail) => {
             tracing::warn!(store = kind, error = %detail, "health check: store failing");
             problem(
@@ -528,36 +543,16 @@ const TOKENS_PATH: &str = "/_idem/tokens";
 /// 201 `{"token": "tok_…", "expires_in": seconds}`.
 async fn issue_token(req: &Request<Incoming>, layer: &IdempotencyLayer) -> Response<BoxBody> {
     if req.method() != Method::POST {
-        let mut resp = problem(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method-not-allowed",
-            "/_idem/tokens answers POST",
-        );
-        resp.headers_mut()
-            .insert(header::ALLOW, HeaderValue::from_static("POST"));
-        return resp;
+        return method_not_allowed("/_idem/tokens answers POST", "POST");
     }
     match layer.issue_token(req.headers()).await {
-        Ok(issued) => {
-            let body = serde_json::json!({
+        Ok(issued) => json(
+            StatusCode::CREATED,
+            &serde_json::json!({
                 "token": issued.token,
                 "expires_in": issued.expires_in_secs(),
-            })
-            .to_string();
-            let mut resp = Response::new(
-                Full::new(Bytes::from(body))
-                    .map_err(|e| match e {})
-                    .boxed_unsync(),
-            );
-            *resp.status_mut() = StatusCode::CREATED;
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            resp.headers_mut()
-                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-            resp
-        }
+            }),
+        ),
         Err(IssueError::Store(e)) => {
             tracing::warn!(error = %error_chain(&e), "issuing a submit token failed");
             let kind = if matches!(e, StoreError::Full { .. }) {
@@ -580,6 +575,27 @@ async fn issue_token(req: &Request<Incoming>, layer: &IdempotencyLayer) -> Respo
             )
         }
     }
+}
+
+/// 405 `method-not-allowed` with the `Allow` field.
+fn method_not_allowed(detail: &'static str, allow: &'static str) -> Response<BoxBody> {
+    let mut resp = problem(StatusCode::METHOD_NOT_ALLOWED, "method-not-allowed", detail);
+    resp.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    resp
+}
+
+/// An `application/json` answer that is never cached.
+fn json(status: StatusCode, value: &serde_json::Value) -> Response<BoxBody> {
+    let mut resp = Response::new(idem_http::full(value.to_string()));
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
 }
 
 /// A cheap read of one record that does not exist.

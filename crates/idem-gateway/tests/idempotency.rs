@@ -88,7 +88,7 @@ async fn a1_two_concurrent_copies_run_once_and_the_other_gets_409() {
 #[tokio::test]
 async fn a1_in_wait_mode_the_duplicate_gets_the_replay() {
     let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.wait = Duration::from_secs(3)).await;
+    let gw = gateway(&up.url(), |c| c.layer.wait = Duration::from_secs(3)).await;
     let c = client();
     let k = key("a1-wait");
     let url = gw.url("/slow?ms=500");
@@ -222,7 +222,7 @@ async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
 async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_runs_once_more() {
     let raw = raw_upstream(RawAction::CloseWithoutAnswer).await;
     let gw = gateway(&format!("http://{}", raw.addr), |c| {
-        c.lease = Duration::from_secs(1);
+        c.layer.lease = Duration::from_secs(1);
     })
     .await;
     let c = client();
@@ -253,7 +253,7 @@ async fn reset_mid_response_headers_is_a_held_502() {
     ))
     .await;
     let gw = gateway(&format!("http://{}", raw.addr), |c| {
-        c.lease = Duration::from_secs(5)
+        c.layer.lease = Duration::from_secs(5)
     })
     .await;
     let c = client();
@@ -273,7 +273,7 @@ async fn reset_mid_response_body_holds_the_key() {
     ))
     .await;
     let gw = gateway(&format!("http://{}", raw.addr), |c| {
-        c.lease = Duration::from_secs(5)
+        c.layer.lease = Duration::from_secs(5)
     })
     .await;
     let c = client();
@@ -307,7 +307,10 @@ async fn reset_mid_response_body_past_the_retention_limit_truncates_and_complete
     let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n".to_vec();
     answer.extend_from_slice(&[b'x'; 40]);
     let raw = raw_upstream(RawAction::WriteAndClose(answer)).await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| c.retention_limit = 16).await;
+    let gw = gateway(&format!("http://{}", raw.addr), |c| {
+        c.layer.retention_limit = 16
+    })
+    .await;
     let c = client();
     let k = key("reset-big");
     let resp = c
@@ -607,8 +610,8 @@ async fn e3_callers_with_different_credentials_do_not_share_keys() {
 async fn f1_after_the_ttl_the_same_key_runs_again() {
     let up = upstream().await;
     let gw = gateway(&up.url(), |c| {
-        c.ttl = Duration::from_secs(1);
-        c.lease = Duration::from_secs(1);
+        c.layer.ttl = Duration::from_secs(1);
+        c.layer.lease = Duration::from_secs(1);
     })
     .await;
     let c = client();
@@ -657,7 +660,7 @@ async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
     let up = upstream().await;
     let gw = gateway(&up.url(), |c| {
         c.upstream_timeout = Duration::from_millis(300);
-        c.lease = Duration::from_secs(1);
+        c.layer.lease = Duration::from_secs(1);
     })
     .await;
     let c = client();
@@ -734,7 +737,7 @@ async fn sqlite_corrupt_record_is_500_and_a_broken_store_is_503() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("idem.db");
     let mut cfg = config(&up.url());
-    cfg.store = format!("sqlite://{}", db.display());
+    cfg.store = format!("sqlite://{}", db.display()).into();
     let gw = idem_gateway::Gateway::bind(cfg).await.unwrap();
     let addr = gw.local_addr();
     let serve = tokio::spawn(gw.serve(std::future::pending()));
@@ -785,7 +788,7 @@ async fn sqlite_corrupt_record_is_500_and_a_broken_store_is_503() {
 #[tokio::test]
 async fn response_over_the_retention_limit_reaches_the_first_caller_only() {
     let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.retention_limit = 1024).await;
+    let gw = gateway(&up.url(), |c| c.layer.retention_limit = 1024).await;
     let c = client();
     let k = key("large");
     let a = post(&c, &gw.url("/large?bytes=50000"), Some(&k), "{}").await;
@@ -804,7 +807,7 @@ async fn response_over_the_retention_limit_reaches_the_first_caller_only() {
 #[tokio::test]
 async fn require_key_refuses_guarded_requests_without_one() {
     let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_key = true).await;
+    let gw = gateway(&up.url(), |c| c.layer.require_key = true).await;
     let c = client();
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!(r.status, 400);
@@ -842,7 +845,7 @@ async fn put_is_guarded_only_when_configured() {
     assert!(!send(gw.url("/echo"), k.clone()).await.replayed());
     assert_eq!(up.hits(), 2);
     let gw = gateway(&up.url(), |c| {
-        c.methods = vec![http::Method::POST, http::Method::PUT]
+        c.layer.methods = vec![http::Method::POST, http::Method::PUT]
     })
     .await;
     send(gw.url("/echo"), k.clone()).await;

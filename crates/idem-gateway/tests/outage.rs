@@ -135,9 +135,9 @@ async fn a1_a_store_timeout_while_saving_never_frees_the_key() {
     let up = upstream().await;
     let store = SaveFaults::new(Save::Hang);
     let mut cfg = config(&up.url());
-    cfg.store_timeout = Duration::from_millis(300);
-    cfg.lease = Duration::from_secs(2);
-    cfg.ttl = Duration::from_secs(60);
+    cfg.store_options.timeout = Duration::from_millis(300);
+    cfg.layer.lease = Duration::from_secs(2);
+    cfg.layer.ttl = Duration::from_secs(60);
     let gw = gateway_with(cfg, Arc::new(store.clone())).await;
     let c = client();
     let k = key("a1-save-timeout");
@@ -206,7 +206,7 @@ async fn a1_a_store_timeout_while_saving_never_frees_the_key() {
 async fn a_hung_store_answers_503_within_the_store_timeout() {
     let up = upstream().await;
     let mut cfg = config(&up.url());
-    cfg.store_timeout = Duration::from_millis(400);
+    cfg.store_options.timeout = Duration::from_millis(400);
     let gw = gateway_with(cfg, Arc::new(Hung)).await;
     let c = client();
     let started = Instant::now();
@@ -331,7 +331,7 @@ async fn fail_open_never_reruns_a_request_whose_result_could_not_be_saved() {
     let store = SaveFaults::new(Save::Fail);
     let mut cfg = config(&up.url());
     cfg.fail_open = true;
-    cfg.lease = Duration::from_secs(5);
+    cfg.layer.lease = Duration::from_secs(5);
     let gw = gateway_with(cfg, Arc::new(store.clone())).await;
     let c = client();
     let k = key("open-save");
@@ -417,7 +417,7 @@ async fn fail_open_keeps_the_body_limit_and_bad_keys() {
     let store = SwitchStore::new();
     let mut cfg = config(&up.url());
     cfg.fail_open = true;
-    cfg.max_body = 16;
+    cfg.layer.max_body = 16;
     let gw = gateway_with(cfg, Arc::new(store.clone())).await;
     let c = client();
     store.set(Mode::Unavailable);

@@ -227,7 +227,7 @@ async fn an_upstream_replayed_header_never_reaches_the_client() {
 #[tokio::test]
 async fn unguarded_bodies_stream_without_the_body_limit() {
     let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.max_body = 1024).await;
+    let gw = gateway(&up.url(), |c| c.layer.max_body = 1024).await;
     let big = "x".repeat(200_000);
     // No key: not guarded, so no 413 and no buffering limit.
     let r = read(
@@ -329,7 +329,7 @@ async fn health_reports_sqlite() {
     let up = upstream().await;
     let dir = tempfile::tempdir().unwrap();
     let mut c = config(&up.url());
-    c.store = format!("sqlite://{}", dir.path().join("h.db").display());
+    c.store = format!("sqlite://{}", dir.path().join("h.db").display()).into();
     let gw = idem_gateway::Gateway::bind(c).await.unwrap();
     let addr = gw.local_addr();
     let task = tokio::spawn(gw.serve(std::future::pending()));
@@ -355,8 +355,8 @@ async fn expired_records_are_purged_in_the_background() {
     let up = upstream().await;
     let mem = MemoryStore::new();
     let mut c = config(&up.url());
-    c.ttl = Duration::from_millis(300);
-    c.lease = Duration::from_millis(300);
+    c.layer.ttl = Duration::from_millis(300);
+    c.layer.lease = Duration::from_millis(300);
     c.purge_interval = Duration::from_millis(100);
     let gw = gateway_with(c, Arc::new(mem.clone())).await;
     let r = post(&client(), &gw.url("/orders"), Some(&key("purge")), "{}").await;
@@ -532,8 +532,8 @@ async fn bind_errors_are_reported() {
     // start (fail fast), and says which store, without its password.
     let mut c = config("http://127.0.0.1:9");
     let port = free_port();
-    c.store = format!("redis://:hunter2@127.0.0.1:{port}/");
-    c.store_timeout = Duration::from_secs(2);
+    c.store = format!("redis://:hunter2@127.0.0.1:{port}/").into();
+    c.store_options.timeout = Duration::from_secs(2);
     let e = idem_gateway::Gateway::bind(c).await.unwrap_err();
     let msg = error_chain(&e);
     assert!(
@@ -544,7 +544,7 @@ async fn bind_errors_are_reported() {
     assert!(!msg.contains("hunter2"), "{msg}");
 
     let mut c = config("http://127.0.0.1:9");
-    c.lease = Duration::ZERO;
+    c.layer.lease = Duration::ZERO;
     assert!(idem_gateway::Gateway::bind(c).await.is_err());
 }
 

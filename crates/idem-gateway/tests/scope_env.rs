@@ -15,7 +15,7 @@ fn scope_names(args: &[&str]) -> Result<Vec<String>, ConfigError> {
     let mut v = vec!["idem", "--upstream", "http://x:1", "--store", "memory://"];
     v.extend_from_slice(args);
     let c = Cli::try_parse_from(v).unwrap().g.into_config()?;
-    match c.scope {
+    match c.layer.scope {
         ScopeBy::Headers(names) => Ok(names.iter().map(ToString::to_string).collect()),
         ScopeBy::Fixed(s) => panic!("fixed scope {s:?}"),
     }

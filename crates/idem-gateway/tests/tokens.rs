@@ -48,7 +48,7 @@ fn assert_problem(r: &Got, status: u16, kind: &str) {
 #[tokio::test]
 async fn issuing_a_token_answers_201_json() {
     let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.token_ttl = Duration::from_secs(600)).await;
+    let gw = gateway(&up.url(), |c| c.layer.token_ttl = Duration::from_secs(600)).await;
     let c = client();
     let r = issue(&c, &gw, None).await;
     assert_eq!(r.status, 201, "{}", r.text());
@@ -75,7 +75,7 @@ async fn issuing_a_token_answers_201_json() {
 #[tokio::test]
 async fn i1_two_concurrent_submits_with_one_token_run_once() {
     let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_token = vec!["/slow".into()]).await;
+    let gw = gateway(&up.url(), |c| c.layer.require_token = vec!["/slow".into()]).await;
     let c = client();
     let t = token(&c, &gw, Some("Bearer alice")).await;
     let url = gw.url("/slow?ms=500");
@@ -106,7 +106,7 @@ async fn i1_two_concurrent_submits_with_one_token_run_once() {
 #[tokio::test]
 async fn sixteen_concurrent_submits_with_one_token_run_once() {
     let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_token = vec!["/slow".into()]).await;
+    let gw = gateway(&up.url(), |c| c.layer.require_token = vec!["/slow".into()]).await;
     let c = client();
     let t = token(&c, &gw, None).await;
     let url = gw.url("/slow?ms=300");
@@ -138,8 +138,8 @@ async fn sixteen_concurrent_submits_with_one_token_run_once() {
 async fn unknown_expired_and_foreign_tokens_are_refused_and_never_reach_upstream() {
     let up = upstream().await;
     let gw = gateway(&up.url(), |c| {
-        c.require_token = vec!["/orders".into()];
-        c.token_ttl = Duration::from_secs(1);
+        c.layer.require_token = vec!["/orders".into()];
+        c.layer.token_ttl = Duration::from_secs(1);
     })
     .await;
     let c = client();
@@ -172,7 +172,10 @@ async fn unknown_expired_and_foreign_tokens_are_refused_and_never_reach_upstream
 #[tokio::test]
 async fn a_required_route_without_a_key_is_refused() {
     let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_token = vec!["/orders".into()]).await;
+    let gw = gateway(&up.url(), |c| {
+        c.layer.require_token = vec!["/orders".into()]
+    })
+    .await;
     let c = client();
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_problem(&r, 428, "token-required");
@@ -184,7 +187,7 @@ async fn a_required_route_without_a_key_is_refused() {
 #[tokio::test]
 async fn routes_outside_the_prefixes_work_as_before() {
     let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_token = vec!["/slow".into()]).await;
+    let gw = gateway(&up.url(), |c| c.layer.require_token = vec!["/slow".into()]).await;
     let c = client();
     // No key: passes through unguarded.
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
@@ -227,7 +230,7 @@ async fn a_token_route_never_fails_open() {
     let store = SwitchStore::new();
     let mut cfg = config(&up.url());
     cfg.fail_open = true;
-    cfg.require_token = vec!["/orders".into()];
+    cfg.layer.require_token = vec!["/orders".into()];
     let gw = gateway_with(cfg, Arc::new(store.clone())).await;
     let c = client();
     let t = token(&c, &gw, None).await;

@@ -38,12 +38,13 @@ async fn require_token_comes_from_a_comma_separated_idem_require_token() {
     std::env::set_var("IDEM_REQUIRE_TOKEN", "/orders, /refunds/");
     std::env::set_var("IDEM_TOKEN_TTL", "10m");
     let config = parse(&up.url(), &[]).unwrap();
-    assert_eq!(config.require_token, vec!["/orders", "/refunds/"]);
-    assert_eq!(config.token_ttl, Duration::from_secs(600));
+    assert_eq!(config.layer.require_token, vec!["/orders", "/refunds/"]);
+    assert_eq!(config.layer.token_ttl, Duration::from_secs(600));
     // The flag wins over the variable.
     assert_eq!(
         parse(&up.url(), &["--require-token", "/pay"])
             .unwrap()
+            .layer
             .require_token,
         vec!["/pay"]
     );
@@ -54,7 +55,11 @@ async fn require_token_comes_from_a_comma_separated_idem_require_token() {
     ));
     std::env::remove_var("IDEM_REQUIRE_TOKEN");
     std::env::remove_var("IDEM_TOKEN_TTL");
-    assert!(parse(&up.url(), &[]).unwrap().require_token.is_empty());
+    assert!(parse(&up.url(), &[])
+        .unwrap()
+        .layer
+        .require_token
+        .is_empty());
 
     // The configuration from the variable, served for real.
     let gw = gateway_with(config, Arc::new(MemoryStore::new())).await;

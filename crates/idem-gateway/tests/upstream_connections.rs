@@ -25,7 +25,7 @@ async fn a_stalled_response_body_fails_after_the_upstream_timeout() {
     .await;
     let gw = gateway(&format!("http://{}", raw.addr), |c| {
         c.upstream_timeout = Duration::from_millis(500);
-        c.lease = Duration::from_secs(30);
+        c.layer.lease = Duration::from_secs(30);
     })
     .await;
     let c = client();

@@ -1,4 +1,5 @@
-//! The body of a first response whose start was buffered for the store.
+//! Bodies: a whole buffered one ([`full`]), and the body of a first
+//! response whose start was buffered for the store ([`Prefixed`]).
 
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
@@ -6,8 +7,24 @@ use std::task::{ready, Context, Poll};
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Full};
 
 use crate::{BoxBody, BoxError};
+
+/// A [`BoxBody`] of one buffered chunk (none when `bytes` is empty).
+///
+/// ```
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// use http_body_util::BodyExt;
+/// let body = idem_http::full("hello");
+/// assert_eq!(body.collect().await.unwrap().to_bytes(), "hello");
+/// # });
+/// ```
+pub fn full(bytes: impl Into<Bytes>) -> BoxBody {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
 
 /// A buffered prefix, then the rest of the inner body (if any), then the
 /// trailers seen while buffering.
@@ -96,13 +113,10 @@ impl Body for Prefixed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http_body_util::{BodyExt, Full};
 
     #[tokio::test]
     async fn prefix_then_rest() {
-        let rest = Full::new(Bytes::from_static(b" world"))
-            .map_err(|never| match never {})
-            .boxed_unsync();
+        let rest = full(Bytes::from_static(b" world"));
         let b = Prefixed::then(Bytes::from_static(b"hello"), rest);
         assert_eq!(b.size_hint().exact(), Some(11));
         assert_eq!(b.collect().await.unwrap().to_bytes(), "hello world");

@@ -23,6 +23,10 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 /// first execution.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// `Idempotency-Status: unprotected`: marks an answer given without
+/// idempotency protection, by fail-open ([`crate::Options::fail_open`]).
+pub const IDEMPOTENCY_STATUS: HeaderName = HeaderName::from_static("idempotency-status");
+
 /// Why an `Idempotency-Key` header was refused (the layer answers 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

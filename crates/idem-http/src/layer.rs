@@ -1,125 +1,25 @@
-//! The layer and its settings.
+//! The layer: a store and [`Options`], and the builder methods that set them.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, Method, StatusCode};
 use idem_core::token::{IssueError, IssuedToken, SubmitTokens};
-use idem_core::{Action, DynStore, Engine, EngineConfig, Store};
+use idem_core::{DynStore, Engine, Store};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
-use crate::policy::{default_policy, Disposition};
+use crate::options::{FailOpenGuard, Options};
+use crate::policy::Disposition;
 use crate::scope::ScopeBy;
 use crate::service::IdempotencyService;
-
-/// Settings of the layer (builder methods on [`IdempotencyLayer`]).
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// Guarded methods (default POST, PATCH).
-    pub methods: Vec<Method>,
-    /// Answer 400 to a guarded request without a key (default false).
-    pub require_key: bool,
-    /// Scope derivation (default `Headers([Authorization])`).
-    pub scope: ScopeBy,
-    /// Largest guarded request body, bytes (default 10 MiB) → 413 beyond.
-    pub max_body: usize,
-    /// Largest response body kept for replay, bytes (default 1 MiB).
-    pub retention_limit: usize,
-    /// Lease (default 30 s).
-    pub lease: Duration,
-    /// Replay window (default 24 h).
-    pub ttl: Duration,
-    /// How long a duplicate waits for an in-flight original (default 0).
-    pub wait: Duration,
-    /// Which statuses are stored; the rest are released
-    /// (default: 1xx–4xx except 408, 409, 425, 429).
-    pub policy: fn(http::StatusCode) -> Disposition,
-    /// Path prefixes whose guarded requests must carry a live submit token
-    /// ([`idem_core::token`]) as their `Idempotency-Key` (default none).
-    /// Matched by path segment: `/pay` matches `/pay` and `/pay/42`, not
-    /// `/payment`; a prefix ending in `/` matches every path under it.
-    /// Without a key such a request gets 428 `token-required`; with a key
-    /// that is not a token issued for its scope, or one whose TTL passed
-    /// before its first use, 403 `token-unknown`. The inner service is not
-    /// called either way.
-    pub require_token: Vec<String>,
-    /// How long a token issued by [`IdempotencyLayer::issue_token`] may be
-    /// used for a first submit (default 1 h; capped at `ttl`).
-    pub token_ttl: Duration,
-}
-
-/// 10 MiB.
-const DEFAULT_MAX_BODY: usize = 10 * 1024 * 1024;
-/// 1 MiB.
-const DEFAULT_RETENTION_LIMIT: usize = 1024 * 1024;
-
-impl Default for Options {
-    fn default() -> Self {
-        Self {
-            methods: vec![Method::POST, Method::PATCH],
-            require_key: false,
-            scope: ScopeBy::default(),
-            max_body: DEFAULT_MAX_BODY,
-            retention_limit: DEFAULT_RETENTION_LIMIT,
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(24 * 3600),
-            wait: Duration::ZERO,
-            policy: default_policy,
-            require_token: Vec::new(),
-            token_ttl: Duration::from_secs(3600),
-        }
-    }
-}
-
-impl Options {
-    /// The engine settings these options imply: `lease`, `ttl`, `wait`, a
-    /// watchdog that renews the lease every third of its length, and
-    /// `Hold` when a run is dropped mid-flight (a panicking inner service):
-    /// the key frees itself when its lease ends.
-    pub fn engine_config(&self) -> EngineConfig {
-        EngineConfig {
-            lease: self.lease,
-            ttl: self.ttl,
-            wait: self.wait,
-            watchdog: true,
-            on_cancel: Action::Hold,
-            ..EngineConfig::default()
-        }
-    }
-
-    /// Whether a guarded request for `path` must carry a submit token
-    /// (see [`Options::require_token`]).
-    ///
-    /// ```
-    /// let o = idem_http::Options { require_token: vec!["/pay".into()], ..Default::default() };
-    /// assert!(o.token_required("/pay"));
-    /// assert!(o.token_required("/pay/42"));
-    /// assert!(!o.token_required("/payment"));
-    /// assert!(!o.token_required("/orders"));
-    /// ```
-    pub fn token_required(&self, path: &str) -> bool {
-        self.require_token
-            .iter()
-            .any(|prefix| path_has_prefix(path, prefix))
-    }
-}
-
-/// `path` equals `prefix`, or continues it with a new segment (or `prefix`
-/// ends in `/`).
-fn path_has_prefix(path: &str, prefix: &str) -> bool {
-    match path.strip_prefix(prefix) {
-        Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
-        None => false,
-    }
-}
 
 /// The tower layer. `IdempotencyLayer::new(store)` then `with_*` builders:
 /// `with_methods(Vec<Method>)`, `with_require_key(bool)`, `with_scope(ScopeBy)`,
 /// `with_max_body(usize)`, `with_retention_limit(usize)`, `with_lease(Duration)`,
 /// `with_ttl(Duration)`, `with_wait(Duration)`, `with_policy(fn)`,
 /// `with_require_token(prefixes)`, `with_token_ttl(Duration)`,
-/// `with_tracker(TaskTracker)`; [`IdempotencyLayer::issue_token`] issues
+/// `with_fail_open(guard)`, `with_tracker(TaskTracker)`; [`IdempotencyLayer::issue_token`] issues
 /// submit tokens.
 ///
 /// It wraps a service into an [`IdempotencyService`]; see the
@@ -350,7 +250,7 @@ impl IdempotencyLayer {
     }
 
     /// Which statuses are stored, released or held (default
-    /// [`default_policy`]). A [`Disposition`] in a response's extensions
+    /// [`crate::default_policy`]). A [`Disposition`] in a response's extensions
     /// overrides it for that response.
     ///
     /// ```
@@ -401,6 +301,17 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Turns fail-open on with `guard` (default off: a guarded request
+    /// whose store fails before the run gets 503 `store-unavailable`); see
+    /// [`Options::fail_open`] for when it applies.
+    ///
+    /// **Can run a request twice**: nothing is recorded for a request
+    /// forwarded this way, so a retry during the outage runs again.
+    pub fn with_fail_open(mut self, guard: Arc<dyn FailOpenGuard>) -> Self {
+        self.options.fail_open = Some(guard);
+        self
+    }
+
     /// Submit tokens over this layer's store, with its lease and replay
     /// window ([`Options::engine_config`]).
     pub fn tokens(&self) -> SubmitTokens<DynStore> {
@@ -443,42 +354,5 @@ impl<S> Layer<S> for IdempotencyLayer {
             Arc::new(self.options.clone()),
             self.tracker.clone(),
         )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn secure_defaults() {
-        let o = Options::default();
-        assert_eq!(o.methods, vec![Method::POST, Method::PATCH]);
-        assert!(!o.require_key);
-        assert_eq!(o.max_body, 10 * 1024 * 1024);
-        assert_eq!(o.retention_limit, 1024 * 1024);
-        assert_eq!(o.lease, Duration::from_secs(30));
-        assert_eq!(o.ttl, Duration::from_secs(86_400));
-        assert_eq!(o.wait, Duration::ZERO);
-        assert_eq!(
-            (o.policy)(StatusCode::INTERNAL_SERVER_ERROR),
-            Disposition::Release
-        );
-        let c = o.engine_config();
-        assert!(c.watchdog);
-        assert_eq!(c.on_cancel, Action::Hold);
-        assert!(o.require_token.is_empty());
-        assert_eq!(o.token_ttl, Duration::from_secs(3600));
-    }
-
-    #[test]
-    fn token_prefixes_match_by_segment() {
-        assert!(path_has_prefix("/pay", "/pay"));
-        assert!(path_has_prefix("/pay/1", "/pay"));
-        assert!(!path_has_prefix("/payment", "/pay"));
-        assert!(path_has_prefix("/pay/1", "/pay/"));
-        assert!(!path_has_prefix("/pay", "/pay/"));
-        assert!(path_has_prefix("/anything", "/"));
-        assert!(!path_has_prefix("/orders", "/pay"));
     }
 }

@@ -59,6 +59,7 @@
 //! | 500 `corrupt-record`, `internal`   | undecodable record; the inner service panicked            |
 //! | 502 `upstream-failed`              | the response body failed while it was buffered (key held) |
 //! | 503 `store-unavailable`, `store-full` | the store failed before the run (the inner service is not called) |
+//! | the inner service's + `Idempotency-Status: unprotected` | fail-open ([`Options::fail_open`], off by default): the store was unavailable before the run and the [`FailOpenGuard`] allowed the key; nothing is recorded |
 //!
 //! ## Example (axum 0.8)
 //!
@@ -85,6 +86,7 @@ pub mod fingerprint;
 mod future;
 pub mod key;
 mod layer;
+mod options;
 mod policy;
 mod problem;
 pub mod replay;
@@ -94,9 +96,14 @@ mod service;
 use bytes::Bytes;
 pub use idem_core::{DynStore, Scope};
 
+pub use body::full;
 pub use future::ResponseFuture;
-pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
-pub use layer::{IdempotencyLayer, Options};
+pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED};
+pub use layer::IdempotencyLayer;
+pub use options::{
+    FailOpenGuard, Options, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT,
+    DEFAULT_TOKEN_TTL,
+};
 pub use policy::{default_policy, Disposition};
 pub use problem::{problem, Problem, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 pub use scope::ScopeBy;

@@ -1,10 +1,9 @@
 //! RFC 9457 problem details (`application/problem+json`).
 
-use bytes::Bytes;
 use http::{header, HeaderName, HeaderValue, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
 use serde_json::{Map, Value};
 
+use crate::body::full;
 use crate::BoxBody;
 
 /// The media type of every error the layer produces (RFC 9457, section 3).
@@ -109,11 +108,7 @@ impl Problem {
     pub fn into_response(self) -> Response<BoxBody> {
         // Serialising a map of strings and numbers cannot fail.
         let body = serde_json::to_vec(&Value::Object(self.members)).unwrap_or_default();
-        let mut resp = Response::new(
-            Full::new(Bytes::from(body))
-                .map_err(|never| match never {})
-                .boxed_unsync(),
-        );
+        let mut resp = Response::new(full(body));
         *resp.status_mut() = self.status;
         let h = resp.headers_mut();
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
@@ -153,6 +148,7 @@ pub fn problem(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::BodyExt;
 
     #[tokio::test]
     async fn problem_body_has_the_rfc_9457_members() {

@@ -11,9 +11,9 @@
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
 use idem_core::StoredResponse;
 
+use crate::body::full;
 use crate::key::IDEMPOTENT_REPLAYED;
 use crate::problem::Problem;
 use crate::BoxBody;
@@ -144,11 +144,7 @@ pub fn replay_response(stored: &StoredResponse) -> Response<BoxBody> {
     }
     let mut headers = replayable(&headers);
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    let mut resp = Response::new(
-        Full::new(stored.body.clone())
-            .map_err(|never| match never {})
-            .boxed_unsync(),
-    );
+    let mut resp = Response::new(full(stored.body.clone()));
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
     resp
@@ -157,6 +153,7 @@ pub fn replay_response(stored: &StoredResponse) -> Response<BoxBody> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::BodyExt;
 
     #[tokio::test]
     async fn round_trip_keeps_order_multiplicity_and_bytes() {

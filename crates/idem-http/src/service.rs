@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idem_core::token::{SubmitTokens, TokenOutcome};
 use idem_core::{
     Action, DynStore, Engine, Fingerprint, IdempotencyKey, Outcome, Saved, Scope, StoreError,
@@ -15,11 +15,13 @@ use idem_core::{
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
-use crate::body::Prefixed;
+use crate::body::{full, Prefixed};
 use crate::fingerprint::request_fingerprint;
 use crate::future::ResponseFuture;
-use crate::key::{key_from_headers, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
-use crate::layer::Options;
+use crate::key::{
+    key_from_headers, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED,
+};
+use crate::options::{FailOpenGuard, Options};
 use crate::policy::Disposition;
 use crate::problem::Problem;
 use crate::replay::{replay_response, to_stored};
@@ -40,6 +42,11 @@ use crate::{BoxBody, BoxError};
 /// disconnects does not cancel the inner call or the save, and a server can
 /// wait for such runs at shutdown. An inner `Err` releases the key and is
 /// returned as is.
+///
+/// With fail-open ([`Options::fail_open`]), a guarded request whose store
+/// failed before the inner service was called is handed to the inner
+/// service as it was buffered, and its answer is marked
+/// `Idempotency-Status: unprotected`.
 #[derive(Debug, Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
@@ -250,9 +257,12 @@ impl Guarded {
         })
     }
 
+    /// Claims the key and runs the inner service once, or answers from the
+    /// store; when the store fails before the run, fails open or answers
+    /// 503 ([`StoreFailure`]).
     async fn run<S, F, E, RB>(
         self,
-        mut inner: S,
+        inner: S,
         req: Request<BoxBody>,
         fingerprint: Fingerprint,
     ) -> Result<Response<BoxBody>, E>
@@ -272,12 +282,21 @@ impl Guarded {
         } = self;
         let policy = options.policy;
         let retention_limit = options.retention_limit;
-        let op = move |_lease| async move {
-            match inner.call(req).await {
-                Err(e) => (Err(e), Action::Release),
-                Ok(resp) => {
-                    let (resp, action) = first_response(resp, policy, retention_limit).await;
-                    (Ok(resp), action)
+        // The inner service and the request until the engine runs them:
+        // still here once the engine returns means nothing was sent.
+        let mut unsent = Some((inner, req));
+        let op = |_lease| {
+            let sent = unsent.take();
+            async move {
+                let Some((mut inner, req)) = sent else {
+                    unreachable!("the engine runs its operation at most once")
+                };
+                match inner.call(req).await {
+                    Err(e) => (Err(e), Action::Release),
+                    Ok(resp) => {
+                        let (resp, action) = first_response(resp, policy, retention_limit).await;
+                        (Ok(resp), action)
+                    }
                 }
             }
         };
@@ -294,7 +313,12 @@ impl Guarded {
             engine.execute(&scope, &key, fingerprint, op).await
         };
         match outcome {
-            Err(e) => Ok(log.rejected(store_problem(&key, &e))),
+            Err(e) => {
+                // A token cannot be checked without the store: token routes
+                // never fail open.
+                let fail_open = options.fail_open.as_deref().filter(|_| !token);
+                store_failed(&e, unsent, fail_open, &scope, &key, &log).await
+            }
             Ok(Outcome::Executed { value, saved, .. }) => {
                 let saved = match &saved {
                     Saved::Stored => "stored",
@@ -383,10 +407,53 @@ fn ready<E: Send + 'static>(resp: Response<BoxBody>) -> ResponseFuture<E> {
     ResponseFuture::new(std::future::ready(Ok(resp)))
 }
 
-fn full(bytes: Bytes) -> BoxBody {
-    Full::new(bytes)
-        .map_err(|never| match never {})
-        .boxed_unsync()
+/// The store failed before the run (`unsent` holds the inner service and
+/// the request when nothing was sent): with a `fail_open` guard that
+/// allows the key, an unavailable store lets the request through
+/// unprotected — the buffered request goes to `inner`, the answer is marked
+/// `Idempotency-Status: unprotected` and nothing is recorded; otherwise the
+/// answer is the failure's problem.
+async fn store_failed<S, F, E, RB>(
+    e: &StoreError,
+    unsent: Option<(S, Request<BoxBody>)>,
+    fail_open: Option<&dyn FailOpenGuard>,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    log: &LogCtx,
+) -> Result<Response<BoxBody>, E>
+where
+    S: Service<Request<BoxBody>, Response = Response<RB>, Future = F, Error = E>,
+    F: std::future::Future<Output = Result<Response<RB>, E>>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let failure = StoreFailure::logged(key, e);
+    match (unsent, fail_open) {
+        (Some((mut inner, req)), Some(guard)) if failure == StoreFailure::Unavailable => {
+            if guard.allows(scope, key) {
+                tracing::warn!(
+                    target: "idem", key = %key, method = %log.method, path = %log.path,
+                    "FAIL-OPEN: the idempotency store is unavailable; forwarding WITHOUT idempotency \
+                     protection. This request is not recorded: a retry of it may run again (double charge)."
+                );
+                let (mut parts, body) = inner.call(req).await?.into_parts();
+                // Only replays say they are replays.
+                parts.headers.remove(IDEMPOTENT_REPLAYED);
+                parts
+                    .headers
+                    .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("unprotected"));
+                let resp = Response::from_parts(parts, body.map_err(Into::into).boxed_unsync());
+                return Ok(log.finish("unprotected", resp, None));
+            }
+            tracing::error!(
+                target: "idem", key = %key, method = %log.method, path = %log.path,
+                "FAIL-OPEN REFUSED: the idempotency store is unavailable, but this key was seen \
+                 claimed or completed moments ago; forwarding it would run it twice. Answering 503."
+            );
+            Ok(log.rejected(failure.problem()))
+        }
+        _ => Ok(log.rejected(failure.problem())),
+    }
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
@@ -425,31 +492,54 @@ fn token_unknown() -> Problem {
     )
 }
 
-fn store_problem(key: &IdempotencyKey, e: &StoreError) -> Problem {
-    match e {
-        StoreError::Corrupt { .. } => {
-            tracing::error!(target: "idem", key = %key, error = %e, "corrupt idempotency record");
-            Problem::new(
+/// What a store error before the run means for the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StoreFailure {
+    /// The stored record does not decode: 500 `corrupt-record`.
+    Corrupt,
+    /// The store refuses new records: 503 `store-full`.
+    Full,
+    /// The store cannot be reached or timed out: 503 `store-unavailable`
+    /// (the case fail-open forwards).
+    Unavailable,
+}
+
+impl StoreFailure {
+    /// Classifies `e` and logs it.
+    fn logged(key: &IdempotencyKey, e: &StoreError) -> Self {
+        match e {
+            StoreError::Corrupt { .. } => {
+                tracing::error!(target: "idem", key = %key, error = %e, "corrupt idempotency record");
+                Self::Corrupt
+            }
+            StoreError::Full { .. } => {
+                tracing::error!(target: "idem", key = %key, error = %e, "idempotency store full");
+                Self::Full
+            }
+            _ => {
+                tracing::error!(target: "idem", key = %key, error = %e, "idempotency store unavailable");
+                Self::Unavailable
+            }
+        }
+    }
+
+    fn problem(self) -> Problem {
+        match self {
+            Self::Corrupt => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "corrupt-record",
                 "The stored record for this Idempotency-Key is corrupt; the request was not run.",
-            )
-        }
-        StoreError::Full { .. } => {
-            tracing::error!(target: "idem", key = %key, error = %e, "idempotency store full");
-            Problem::new(
+            ),
+            Self::Full => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-full",
                 "The idempotency store is full; the request was not run. Retry later.",
-            )
-        }
-        _ => {
-            tracing::error!(target: "idem", key = %key, error = %e, "idempotency store unavailable");
-            Problem::new(
+            ),
+            Self::Unavailable => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
                 "The idempotency store is unavailable; the request was not run. Retry later.",
-            )
+            ),
         }
     }
 }
@@ -685,5 +775,140 @@ mod tests {
         assert_eq!(content_length(&h), Some(42));
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("x"));
         assert_eq!(content_length(&h), None);
+    }
+}
+
+#[cfg(test)]
+mod fail_open_tests {
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use async_trait::async_trait;
+    use idem_core::{Begin, BeginRequest, Lease, Phase, Record, Store, StoredResponse};
+    use tower::ServiceExt;
+    use tower_layer::Layer;
+
+    use super::*;
+    use crate::{FailOpenGuard, IdempotencyLayer};
+
+    /// A store whose every call fails with the error it was made with.
+    #[derive(Debug)]
+    struct Down(fn() -> StoreError);
+
+    fn refused() -> StoreError {
+        StoreError::unavailable(Phase::Begin, "connection refused")
+    }
+
+    fn full_store() -> StoreError {
+        StoreError::Full {
+            detail: "at capacity".into(),
+        }
+    }
+
+    #[async_trait]
+    impl Store for Down {
+        async fn begin(&self, _: &BeginRequest) -> Result<Begin, StoreError> {
+            Err((self.0)())
+        }
+        async fn complete(
+            &self,
+            _: &Lease,
+            _: &StoredResponse,
+            _: Duration,
+        ) -> Result<(), StoreError> {
+            Err((self.0)())
+        }
+        async fn release(&self, _: &Lease) -> Result<(), StoreError> {
+            Err((self.0)())
+        }
+        async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, StoreError> {
+            Err((self.0)())
+        }
+        async fn get(&self, _: &Scope, _: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+            Err((self.0)())
+        }
+        async fn delete(&self, _: &Scope, _: &IdempotencyKey) -> Result<bool, StoreError> {
+            Err((self.0)())
+        }
+        async fn purge_expired(&self) -> Result<u64, StoreError> {
+            Err((self.0)())
+        }
+    }
+
+    #[derive(Debug)]
+    struct Allow(bool);
+
+    impl FailOpenGuard for Allow {
+        fn allows(&self, _: &Scope, _: &IdempotencyKey) -> bool {
+            self.0
+        }
+    }
+
+    /// Sends `POST path` with a key and a body through `layer` around an
+    /// inner service that echoes the body (and claims to be a replay);
+    /// returns the answer, its body and how often the inner service ran.
+    async fn send(layer: &IdempotencyLayer, path: &str) -> (http::response::Parts, Bytes, usize) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let inner = tower::service_fn(move |req: Request<BoxBody>| {
+            let calls = counted.clone();
+            async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let body = req.into_body().collect().await.unwrap().to_bytes();
+                let mut resp = Response::new(full(body));
+                resp.headers_mut()
+                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                Ok::<_, Infallible>(resp)
+            }
+        });
+        let req = Request::post(path)
+            // Token-shaped, so a token route asks the store too.
+            .header(IDEMPOTENCY_KEY, "tok_0123456789abcdef0123456789abcdef")
+            .body(full(r#"{"a":1}"#))
+            .unwrap();
+        let (parts, body) = layer.layer(inner).oneshot(req).await.unwrap().into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        (parts, body, calls.load(Ordering::SeqCst))
+    }
+
+    fn problem_type(body: &Bytes) -> String {
+        let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+        v["type"].as_str().unwrap().to_owned()
+    }
+
+    #[tokio::test]
+    async fn the_buffered_request_is_forwarded_once_and_marked() {
+        let layer = IdempotencyLayer::new(Down(refused)).with_fail_open(Arc::new(Allow(true)));
+        let (resp, body, calls) = send(&layer, "/orders").await;
+        assert_eq!(resp.status, StatusCode::OK);
+        assert_eq!(resp.headers[IDEMPOTENCY_STATUS], "unprotected");
+        assert!(resp.headers.get(IDEMPOTENT_REPLAYED).is_none());
+        assert_eq!(body, r#"{"a":1}"#);
+        assert_eq!(calls, 1);
+    }
+
+    #[tokio::test]
+    async fn otherwise_the_answer_is_503_and_nothing_runs() {
+        let closed = IdempotencyLayer::new(Down(refused));
+        let refused_by_guard =
+            IdempotencyLayer::new(Down(refused)).with_fail_open(Arc::new(Allow(false)));
+        let token_route = IdempotencyLayer::new(Down(refused))
+            .with_fail_open(Arc::new(Allow(true)))
+            .with_require_token(["/orders"]);
+        for (layer, kind) in [
+            (closed, "store-unavailable"),
+            (refused_by_guard, "store-unavailable"),
+            (token_route, "store-unavailable"),
+            (
+                IdempotencyLayer::new(Down(full_store)).with_fail_open(Arc::new(Allow(true))),
+                "store-full",
+            ),
+        ] {
+            let (resp, body, calls) = send(&layer, "/orders").await;
+            assert_eq!(resp.status, StatusCode::SERVICE_UNAVAILABLE, "{kind}");
+            assert_eq!(problem_type(&body), format!("urn:idem:problem:{kind}"));
+            assert!(resp.headers.get(IDEMPOTENCY_STATUS).is_none());
+            assert_eq!(calls, 0, "{kind}: the inner service ran");
+        }
     }
 }

@@ -1,0 +1,195 @@
+//! The layer's settings, each default defined once here (the engine's
+//! `lease`, `ttl` and `wait` come from [`EngineConfig::default`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Method;
+use idem_core::{Action, EngineConfig, IdempotencyKey, Scope};
+
+use crate::policy::{default_policy, Disposition};
+use crate::scope::ScopeBy;
+
+/// Guarded methods by default: POST and PATCH.
+pub const DEFAULT_METHODS: [Method; 2] = [Method::POST, Method::PATCH];
+/// Largest guarded request body by default, bytes: 10 MiB (10,485,760).
+pub const DEFAULT_MAX_BODY: usize = 10 * 1024 * 1024;
+/// Largest response body kept for replay by default, bytes: 1 MiB (1,048,576).
+pub const DEFAULT_RETENTION_LIMIT: usize = 1024 * 1024;
+/// How long a submit token may be used for a first submit by default: 1 h.
+pub const DEFAULT_TOKEN_TTL: Duration = Duration::from_secs(3600);
+
+/// Decides whether a guarded request may run *unprotected* when the store
+/// failed before the inner service was called (fail-open; see
+/// [`Options::fail_open`]).
+///
+/// ```
+/// use idem_core::{IdempotencyKey, Scope};
+/// #[derive(Debug)]
+/// struct Always;
+/// impl idem_http::FailOpenGuard for Always {
+///     fn allows(&self, _: &Scope, _: &IdempotencyKey) -> bool { true }
+/// }
+/// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+///     .with_fail_open(std::sync::Arc::new(Always));
+/// assert!(layer.options().fail_open.is_some());
+/// ```
+pub trait FailOpenGuard: std::fmt::Debug + Send + Sync + 'static {
+    /// Whether the request with `key` in `scope` may be forwarded without
+    /// protection. `false` answers 503 `store-unavailable` as without
+    /// fail-open (e.g. for a key seen claimed moments ago, whose rerun
+    /// would be a certain second execution).
+    fn allows(&self, scope: &Scope, key: &IdempotencyKey) -> bool;
+}
+
+/// Settings of the layer (builder methods on [`crate::IdempotencyLayer`]).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Guarded methods (default [`DEFAULT_METHODS`]: POST, PATCH).
+    pub methods: Vec<Method>,
+    /// Answer 400 to a guarded request without a key (default false).
+    pub require_key: bool,
+    /// Scope derivation (default `Headers([Authorization])`).
+    pub scope: ScopeBy,
+    /// Largest guarded request body, bytes (default [`DEFAULT_MAX_BODY`],
+    /// 10 MiB) → 413 beyond.
+    pub max_body: usize,
+    /// Largest response body kept for replay, bytes (default
+    /// [`DEFAULT_RETENTION_LIMIT`], 1 MiB).
+    pub retention_limit: usize,
+    /// Lease (default [`EngineConfig::default`]'s, 30 s).
+    pub lease: Duration,
+    /// Replay window (default [`EngineConfig::default`]'s, 24 h).
+    pub ttl: Duration,
+    /// How long a duplicate waits for an in-flight original (default
+    /// [`EngineConfig::default`]'s, 0).
+    pub wait: Duration,
+    /// Which statuses are stored; the rest are released
+    /// (default: 1xx–4xx except 408, 409, 425, 429).
+    pub policy: fn(http::StatusCode) -> Disposition,
+    /// Path prefixes whose guarded requests must carry a live submit token
+    /// ([`idem_core::token`]) as their `Idempotency-Key` (default none).
+    /// Matched by path segment: `/pay` matches `/pay` and `/pay/42`, not
+    /// `/payment`; a prefix ending in `/` matches every path under it.
+    /// Without a key such a request gets 428 `token-required`; with a key
+    /// that is not a token issued for its scope, or one whose TTL passed
+    /// before its first use, 403 `token-unknown`. The inner service is not
+    /// called either way.
+    pub require_token: Vec<String>,
+    /// How long a token issued by [`crate::IdempotencyLayer::issue_token`]
+    /// may be used for a first submit (default [`DEFAULT_TOKEN_TTL`], 1 h;
+    /// capped at `ttl`).
+    pub token_ttl: Duration,
+    /// Fail-open (default `None`: fail closed). With a guard, a guarded
+    /// request whose store failed before the inner service was called
+    /// (`begin` unreachable or timed out, or waiting for an original
+    /// failed; not a full store, not a corrupt record) is passed to the
+    /// inner service anyway, as it was buffered, when the guard
+    /// [allows](FailOpenGuard::allows) its key; the answer is marked
+    /// `Idempotency-Status: unprotected` ([`crate::IDEMPOTENCY_STATUS`])
+    /// and nothing is recorded, so a retry may run again. Never applied to
+    /// the routes of `require_token` (a token cannot be checked without the
+    /// store), nor once the inner service was called.
+    pub fail_open: Option<Arc<dyn FailOpenGuard>>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        let engine = EngineConfig::default();
+        Self {
+            methods: DEFAULT_METHODS.to_vec(),
+            require_key: false,
+            scope: ScopeBy::default(),
+            max_body: DEFAULT_MAX_BODY,
+            retention_limit: DEFAULT_RETENTION_LIMIT,
+            lease: engine.lease,
+            ttl: engine.ttl,
+            wait: engine.wait,
+            policy: default_policy,
+            require_token: Vec::new(),
+            token_ttl: DEFAULT_TOKEN_TTL,
+            fail_open: None,
+        }
+    }
+}
+
+impl Options {
+    /// The engine settings these options imply: `lease`, `ttl`, `wait`, a
+    /// watchdog that renews the lease every third of its length, and
+    /// `Hold` when a run is dropped mid-flight (a panicking inner service):
+    /// the key frees itself when its lease ends.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            lease: self.lease,
+            ttl: self.ttl,
+            wait: self.wait,
+            watchdog: true,
+            on_cancel: Action::Hold,
+            ..EngineConfig::default()
+        }
+    }
+
+    /// Whether a guarded request for `path` must carry a submit token
+    /// (see [`Options::require_token`]).
+    ///
+    /// ```
+    /// let o = idem_http::Options { require_token: vec!["/pay".into()], ..Default::default() };
+    /// assert!(o.token_required("/pay"));
+    /// assert!(o.token_required("/pay/42"));
+    /// assert!(!o.token_required("/payment"));
+    /// assert!(!o.token_required("/orders"));
+    /// ```
+    pub fn token_required(&self, path: &str) -> bool {
+        self.require_token
+            .iter()
+            .any(|prefix| path_has_prefix(path, prefix))
+    }
+}
+
+/// `path` equals `prefix`, or continues it with a new segment (or `prefix`
+/// ends in `/`).
+fn path_has_prefix(path: &str, prefix: &str) -> bool {
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::StatusCode;
+
+    #[test]
+    fn secure_defaults() {
+        let o = Options::default();
+        assert_eq!(o.methods, vec![Method::POST, Method::PATCH]);
+        assert!(!o.require_key);
+        assert_eq!(o.max_body, 10 * 1024 * 1024);
+        assert_eq!(o.retention_limit, 1024 * 1024);
+        assert_eq!(o.lease, Duration::from_secs(30));
+        assert_eq!(o.ttl, Duration::from_secs(86_400));
+        assert_eq!(o.wait, Duration::ZERO);
+        assert_eq!(
+            (o.policy)(StatusCode::INTERNAL_SERVER_ERROR),
+            Disposition::Release
+        );
+        let c = o.engine_config();
+        assert!(c.watchdog);
+        assert_eq!(c.on_cancel, Action::Hold);
+        assert!(o.require_token.is_empty());
+        assert_eq!(o.token_ttl, Duration::from_secs(3600));
+        assert!(o.fail_open.is_none());
+    }
+
+    #[test]
+    fn token_prefixes_match_by_segment() {
+        assert!(path_has_prefix("/pay", "/pay"));
+        assert!(path_has_prefix("/pay/1", "/pay"));
+        assert!(!path_has_prefix("/payment", "/pay"));
+        assert!(path_has_prefix("/pay/1", "/pay/"));
+        assert!(!path_has_prefix("/pay", "/pay/"));
+        assert!(path_has_prefix("/anything", "/"));
+        assert!(!path_has_prefix("/orders", "/pay"));
+    }
+}
