@@ -12,8 +12,9 @@ use idem_core::{
     Action, Begin, Engine, EngineConfig, Outcome, Record, RecordState, Saved, Store, StoreError,
 };
 
+use crate::faulty::{Fault, FaultyStore, Op};
 use crate::support::*;
-use crate::{Fault, FaultyStore, Harness};
+use crate::Harness;
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -219,14 +220,22 @@ pub async fn engine_failed_save_holds_key<H: Harness>(h: &H) {
     );
     let scope = fresh_scope();
     let cases = [
-        (Fault::CompleteUnavailable, Action::Store(response("lost"))),
-        (Fault::CompleteTimeout, Action::Store(response("lost"))),
-        (Fault::ReleaseUnavailable, Action::Release),
+        (
+            Op::Complete,
+            Fault::Unavailable,
+            Action::Store(response("lost")),
+        ),
+        (
+            Op::Complete,
+            Fault::Timeout,
+            Action::Store(response("lost")),
+        ),
+        (Op::Release, Fault::Unavailable, Action::Release),
     ];
-    for (fault, action) in cases {
+    for (op, fault, action) in cases {
         let key = fresh_key("failed-save");
-        faulty.set_fault(fault);
-        let releases_before = faulty.release_calls();
+        faulty.set(op, fault);
+        let releases_before = faulty.calls(Op::Release);
         let out = engine
             .execute(&scope, &key, fp("a"), |lease| async move {
                 (lease.fence, action)
@@ -241,23 +250,23 @@ pub async fn engine_failed_save_holds_key<H: Harness>(h: &H) {
             } => {
                 assert_eq!(value, fence);
                 match fault {
-                    Fault::CompleteTimeout => {
+                    Fault::Timeout => {
                         assert!(matches!(e, StoreError::Timeout { .. }), "{e:?}")
                     }
                     _ => assert!(matches!(e, StoreError::Unavailable { .. }), "{e:?}"),
                 }
                 fence
             }
-            other => panic!("{fault:?}: expected Saved::Failed, got {other:?}"),
+            other => panic!("{op:?} {fault:?}: expected Saved::Failed, got {other:?}"),
         };
-        if fault != Fault::ReleaseUnavailable {
+        if op != Op::Release {
             assert_eq!(
-                faulty.release_calls(),
+                faulty.calls(Op::Release),
                 releases_before,
-                "{fault:?}: a failed save must not release the key"
+                "{op:?} {fault:?}: a failed save must not release the key"
             );
         }
-        faulty.set_fault(Fault::None);
+        faulty.clear_all();
         let store = h.store();
         let r = req(&scope, &key, fp("a"), lease);
         expect_in_flight(&store, &r, lease).await;
@@ -406,7 +415,7 @@ pub async fn engine_failed_save_is_retried_until_it_lands<H: Harness>(h: &H) {
         },
     );
     let (scope, key) = (fresh_scope(), fresh_key("save-retry"));
-    faulty.set_fault(Fault::CompleteUnavailable);
+    faulty.set(Op::Complete, Fault::Unavailable);
     let out = engine
         .execute(&scope, &key, fp("a"), |_lease| async move {
             ((), Action::Store(response("paid")))
@@ -426,7 +435,7 @@ pub async fn engine_failed_save_is_retried_until_it_lands<H: Harness>(h: &H) {
     let store = h.store();
     let r = req(&scope, &key, fp("a"), Duration::from_secs(2));
     expect_in_flight(&store, &r, Duration::from_secs(2)).await;
-    faulty.set_fault(Fault::None);
+    faulty.clear_all();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         match store.begin(&r).await.expect("begin") {
