@@ -25,9 +25,7 @@ fn assert_in_flight(r: &Got) {
 
 #[tokio::test]
 async fn fifty_concurrent_duplicates_execute_once() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("fifty");
     let url = gw.url("/slow?ms=300");
     let mut tasks = Vec::new();
@@ -70,9 +68,7 @@ async fn fifty_concurrent_duplicates_execute_once() {
 
 #[tokio::test]
 async fn a1_two_concurrent_copies_run_once_and_the_other_gets_409() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("a1");
     let url = gw.url("/slow?ms=500");
     let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
@@ -87,9 +83,7 @@ async fn a1_two_concurrent_copies_run_once_and_the_other_gets_409() {
 
 #[tokio::test]
 async fn a1_in_wait_mode_the_duplicate_gets_the_replay() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.wait = Duration::from_secs(3)).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.wait = Duration::from_secs(3)).await;
     let k = key("a1-wait");
     let url = gw.url("/slow?ms=500");
     let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
@@ -111,9 +105,7 @@ async fn a1_in_wait_mode_the_duplicate_gets_the_replay() {
 
 #[tokio::test]
 async fn a2_duplicate_during_a_three_second_call_gets_409() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("a2");
     let url = gw.url("/slow?ms=3000");
     let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
@@ -127,9 +119,7 @@ async fn a2_duplicate_during_a_three_second_call_gets_409() {
 
 #[tokio::test]
 async fn d1_replay_keeps_status_location_etag_cookies_and_body() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("d1");
     let first = post(&c, &gw.url("/orders"), Some(&k), r#"{"item":"book"}"#).await;
     assert_eq!(first.status, 201);
@@ -152,9 +142,7 @@ async fn d1_replay_keeps_status_location_etag_cookies_and_body() {
 
 #[tokio::test]
 async fn binary_bodies_replay_byte_for_byte() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("bin");
     let first = post(&c, &gw.url("/binary"), Some(&k), "{}").await;
     assert_eq!(first.status, 200);
@@ -197,9 +185,7 @@ async fn b3_chunked_upstream_response_is_stored() {
 
 #[tokio::test]
 async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("c1");
     let a = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
     assert_eq!(a.status, 500);
@@ -388,9 +374,7 @@ async fn scope_header_flag_keeps_api_keys_apart() {
 
 #[tokio::test]
 async fn c2_406_is_replayed_as_406_with_its_body() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("c2");
     let a = post(&c, &gw.url("/status/406"), Some(&k), "{}").await;
     assert_eq!(a.status, 406);
@@ -484,9 +468,7 @@ async fn e1_requests_without_a_key_pass_through_and_blank_keys_are_400() {
 
 #[tokio::test]
 async fn malformed_keys_are_400_and_never_reach_the_upstream() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     for bad in ["\"abc", "\"a\"b\"", &"x".repeat(256), "a\tb"] {
         let r = post(&c, &gw.url("/orders"), Some(bad), "{}").await;
         assert_eq!(r.status, 400, "key {bad:?}: {}", r.text());
@@ -529,9 +511,7 @@ async fn malformed_keys_are_400_and_never_reach_the_upstream() {
 
 #[tokio::test]
 async fn e2_same_key_on_another_path_body_or_method_is_422() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("e2");
     let a = post(&c, &gw.url("/orders"), Some(&k), r#"{"n":1}"#).await;
     assert_eq!(a.status, 201);
@@ -568,9 +548,7 @@ async fn e2_same_key_on_another_path_body_or_method_is_422() {
 
 #[tokio::test]
 async fn e3_callers_with_different_credentials_do_not_share_keys() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("e3");
     let send = |auth: &'static str| {
         let c = c.clone();
@@ -605,13 +583,11 @@ async fn e3_callers_with_different_credentials_do_not_share_keys() {
 
 #[tokio::test]
 async fn f1_after_the_ttl_the_same_key_runs_again() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| {
+    let Rig { up, gw, c } = rig(|c| {
         c.ttl = Duration::from_secs(1);
         c.lease = Duration::from_secs(1);
     })
     .await;
-    let c = client();
     let k = key("f1");
     assert_eq!(
         post(&c, &gw.url("/orders"), Some(&k), "{}").await.status,
@@ -654,13 +630,11 @@ async fn upstream_down_is_502_released_and_the_retry_runs_once_it_is_up() {
 
 #[tokio::test]
 async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| {
+    let Rig { up, gw, c } = rig(|c| {
         c.upstream_timeout = Duration::from_millis(300);
         c.lease = Duration::from_secs(1);
     })
     .await;
-    let c = client();
     let k = key("timeout");
     let url = gw.url("/slow-first?ms=3000");
     let t0 = Instant::now();
@@ -682,10 +656,10 @@ async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
 #[tokio::test]
 async fn store_unavailable_is_503_and_the_upstream_is_not_called() {
     let up = upstream().await;
-    let store = SwitchStore::new();
+    let store = FaultyStore::new(MemoryStore::new());
     let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
     let c = client();
-    store.set(Mode::Unavailable);
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = post(&c, &gw.url("/orders"), Some(&key("s503")), "{}").await;
     assert_eq!(r.status, 503, "{}", r.text());
     assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
@@ -694,10 +668,10 @@ async fn store_unavailable_is_503_and_the_upstream_is_not_called() {
         0,
         "the upstream was called although the store failed"
     );
-    assert!(store.begins.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    assert!(store.calls(Op::Begin) >= 1);
     // Unguarded traffic does not need the store.
     assert_eq!(post(&c, &gw.url("/orders"), None, "{}").await.status, 201);
-    store.set(Mode::Healthy);
+    store.clear_all();
     assert_eq!(
         post(&c, &gw.url("/orders"), Some(&key("s503-ok")), "{}")
             .await
@@ -710,15 +684,15 @@ async fn store_unavailable_is_503_and_the_upstream_is_not_called() {
 #[tokio::test]
 async fn corrupt_record_is_500_and_the_gateway_keeps_serving() {
     let up = upstream().await;
-    let store = SwitchStore::new();
+    let store = FaultyStore::new(MemoryStore::new());
     let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
     let c = client();
-    store.set(Mode::Corrupt);
+    store.set_each(&BEGIN_AND_GET, Fault::Corrupt(UNDECODABLE));
     let r = post(&c, &gw.url("/orders"), Some(&key("corrupt")), "{}").await;
     assert_eq!(r.status, 500, "{}", r.text());
     assert_eq!(r.problem_type(), "urn:idem:problem:corrupt-record");
     assert_eq!(up.hits(), 0);
-    store.set(Mode::Healthy);
+    store.clear_all();
     let r = post(&c, &gw.url("/orders"), Some(&key("after-corrupt")), "{}").await;
     assert_eq!(r.status, 201);
     let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
@@ -784,9 +758,7 @@ async fn sqlite_corrupt_record_is_500_and_a_broken_store_is_503() {
 
 #[tokio::test]
 async fn response_over_the_retention_limit_reaches_the_first_caller_only() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.retention_limit = 1024).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.retention_limit = 1024).await;
     let k = key("large");
     let a = post(&c, &gw.url("/large?bytes=50000"), Some(&k), "{}").await;
     assert_eq!(a.status, 200);
@@ -803,9 +775,7 @@ async fn response_over_the_retention_limit_reaches_the_first_caller_only() {
 
 #[tokio::test]
 async fn require_key_refuses_guarded_requests_without_one() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_key = true).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.require_key = true).await;
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!(r.status, 400);
     assert_eq!(r.problem_type(), "urn:idem:problem:key-required");

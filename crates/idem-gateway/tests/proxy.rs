@@ -13,9 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
 async fn forwards_method_path_query_headers_and_body() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("fwd");
     let r = read(
         c.post(gw.url("/echo?a=1&b=%20x"))
@@ -280,7 +278,7 @@ async fn unguarded_responses_stream_chunk_by_chunk() {
 #[tokio::test]
 async fn health_endpoint_reports_the_store_and_is_never_proxied() {
     let up = upstream().await;
-    let store = SwitchStore::new();
+    let store = FaultyStore::new(MemoryStore::new());
     let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
     let c = client();
     let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
@@ -313,11 +311,11 @@ async fn health_endpoint_reports_the_store_and_is_never_proxied() {
     assert_eq!(r.status, 405);
     assert_eq!(r.header("allow").as_deref(), Some("GET, HEAD"));
 
-    store.set(Mode::Unavailable);
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
     assert_eq!(r.status, 503);
     assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
-    store.set(Mode::Healthy);
+    store.clear_all();
     let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
     assert_eq!(r.status, 200);
 

@@ -47,9 +47,7 @@ fn assert_problem(r: &Got, status: u16, kind: &str) {
 
 #[tokio::test]
 async fn issuing_a_token_answers_201_json() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.token_ttl = Duration::from_secs(600)).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.token_ttl = Duration::from_secs(600)).await;
     let r = issue(&c, &gw, None).await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(
@@ -74,9 +72,7 @@ async fn issuing_a_token_answers_201_json() {
 
 #[tokio::test]
 async fn i1_two_concurrent_submits_with_one_token_run_once() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_token = vec!["/slow".into()]).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.require_token = vec!["/slow".into()]).await;
     let t = token(&c, &gw, Some("Bearer alice")).await;
     let url = gw.url("/slow?ms=500");
     let (a, b) = tokio::join!(post_as(&c, &url, Some(&t), "Bearer alice"), async {
@@ -105,9 +101,7 @@ async fn i1_two_concurrent_submits_with_one_token_run_once() {
 
 #[tokio::test]
 async fn sixteen_concurrent_submits_with_one_token_run_once() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_token = vec!["/slow".into()]).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.require_token = vec!["/slow".into()]).await;
     let t = token(&c, &gw, None).await;
     let url = gw.url("/slow?ms=300");
     let tasks: Vec<_> = (0..16)
@@ -136,13 +130,11 @@ async fn sixteen_concurrent_submits_with_one_token_run_once() {
 
 #[tokio::test]
 async fn unknown_expired_and_foreign_tokens_are_refused_and_never_reach_upstream() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| {
+    let Rig { up, gw, c } = rig(|c| {
         c.require_token = vec!["/orders".into()];
         c.token_ttl = Duration::from_secs(1);
     })
     .await;
-    let c = client();
     let url = gw.url("/orders");
     // Well-formed but never issued; a plain idempotency key.
     for k in ["tok_0123456789abcdef0123456789abcdef", &key("plain")] {
@@ -171,9 +163,7 @@ async fn unknown_expired_and_foreign_tokens_are_refused_and_never_reach_upstream
 
 #[tokio::test]
 async fn a_required_route_without_a_key_is_refused() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_token = vec!["/orders".into()]).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.require_token = vec!["/orders".into()]).await;
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_problem(&r, 428, "token-required");
     let r = post(&c, &gw.url("/orders/7"), None, "{}").await;
@@ -183,9 +173,7 @@ async fn a_required_route_without_a_key_is_refused() {
 
 #[tokio::test]
 async fn routes_outside_the_prefixes_work_as_before() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.require_token = vec!["/slow".into()]).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.require_token = vec!["/slow".into()]).await;
     // No key: passes through unguarded.
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
@@ -210,13 +198,13 @@ async fn routes_outside_the_prefixes_work_as_before() {
 #[tokio::test]
 async fn issuing_with_the_store_down_is_503() {
     let up = upstream().await;
-    let store = SwitchStore::new();
+    let store = FaultyStore::new(MemoryStore::new());
     let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
     let c = client();
-    store.set(Mode::Unavailable);
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = issue(&c, &gw, None).await;
     assert_problem(&r, 503, "store-unavailable");
-    store.set(Mode::Healthy);
+    store.clear_all();
     let r = issue(&c, &gw, None).await;
     assert_eq!(r.status, 201, "{}", r.text());
 }
@@ -224,18 +212,18 @@ async fn issuing_with_the_store_down_is_503() {
 #[tokio::test]
 async fn a_token_route_never_fails_open() {
     let up = upstream().await;
-    let store = SwitchStore::new();
+    let store = FaultyStore::new(MemoryStore::new());
     let mut cfg = config(&up.url());
     cfg.fail_open = true;
     cfg.require_token = vec!["/orders".into()];
     let gw = gateway_with(cfg, Arc::new(store.clone())).await;
     let c = client();
     let t = token(&c, &gw, None).await;
-    store.set(Mode::Unavailable);
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = post(&c, &gw.url("/orders"), Some(&t), "{}").await;
     assert_problem(&r, 503, "store-unavailable");
     assert_eq!(up.hits(), 0);
-    store.set(Mode::Healthy);
+    store.clear_all();
     let r = post(&c, &gw.url("/orders"), Some(&t), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
 }
