@@ -1,4 +1,5 @@
-//! Shared by `multi_instance.rs` and `outage.rs`: an upstream that counts
+//! Shared by the process tests (`gateway_process.rs`, `multi_instance.rs`,
+//! `outage.rs`, `demo.rs`, `e2e_python.rs`): an upstream that counts
 //! executions per `Idempotency-Key`, `idem gateway` child processes
 //! (killed on drop), reachability checks for the shared servers, unique
 //! names for test data, and best-effort cleanup.
@@ -370,6 +371,17 @@ struct Counts {
     per_key: Mutex<HashMap<String, usize>>,
 }
 
+/// Serves `app` on a free loopback port; returns its `http://` URL and the
+/// server's task (abort it to stop).
+pub async fn serve(app: Router) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (url, task)
+}
+
 /// An upstream that counts executions per `Idempotency-Key`: `POST /pay`
 /// sleeps `?ms=` (default 100) and answers 201 with a body unique to the
 /// execution, so a replay can be told from a second run.
@@ -415,11 +427,7 @@ impl Upstream {
                 ),
             )
             .with_state(counts.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (url, task) = serve(app).await;
         Self { url, counts, task }
     }
 
@@ -541,6 +549,42 @@ impl GatewayProc {
     /// Whether the process is still the one started (not exited).
     pub fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    pub fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    /// SIGKILL: no chance to clean up.
+    pub fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// Sends `sig` (e.g. `-TERM`) with `kill`.
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.pid()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} failed");
+    }
+
+    /// Waits for the process to exit by itself.
+    pub async fn wait_exit(&mut self, bound: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + bound;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "gateway did not exit within {bound:?}:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// The JSON of `GET /_idem/health` and its status.
