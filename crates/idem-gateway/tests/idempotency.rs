@@ -12,6 +12,14 @@ use idem_core::MemoryStore;
 use reqwest::header::{HeaderMap, HeaderValue};
 use tokio::io::AsyncWriteExt;
 
+/// Two copies of one keyed POST to `url`, the second sent `gap` after the first.
+async fn two_copies(c: &reqwest::Client, url: &str, k: &str, gap: Duration) -> (Got, Got) {
+    tokio::join!(post(c, url, Some(k), "{}"), async {
+        tokio::time::sleep(gap).await;
+        post(c, url, Some(k), "{}").await
+    })
+}
+
 fn assert_in_flight(r: &Got) {
     assert_eq!(r.status, 409, "{}", r.text());
     assert_eq!(r.problem_type(), "urn:idem:problem:in-flight");
@@ -71,10 +79,7 @@ async fn a1_two_concurrent_copies_run_once_and_the_other_gets_409() {
     let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("a1");
     let url = gw.url("/slow?ms=500");
-    let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        post(&c, &url, Some(&k), "{}").await
-    });
+    let (a, b) = two_copies(&c, &url, &k, Duration::from_millis(100)).await;
     assert_eq!(a.status, 200);
     assert!(!a.replayed());
     assert_in_flight(&b);
@@ -86,10 +91,7 @@ async fn a1_in_wait_mode_the_duplicate_gets_the_replay() {
     let Rig { up, gw, c } = rig(|c| c.wait = Duration::from_secs(3)).await;
     let k = key("a1-wait");
     let url = gw.url("/slow?ms=500");
-    let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        post(&c, &url, Some(&k), "{}").await
-    });
+    let (a, b) = two_copies(&c, &url, &k, Duration::from_millis(100)).await;
     assert_eq!(
         (a.status, b.status),
         (200, 200),
@@ -108,10 +110,7 @@ async fn a2_duplicate_during_a_three_second_call_gets_409() {
     let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("a2");
     let url = gw.url("/slow?ms=3000");
-    let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        post(&c, &url, Some(&k), "{}").await
-    });
+    let (a, b) = two_copies(&c, &url, &k, Duration::from_secs(1)).await;
     assert_eq!(a.status, 200);
     assert_in_flight(&b);
     assert_eq!(up.hits(), 1);
@@ -162,10 +161,8 @@ async fn binary_bodies_replay_byte_for_byte() {
 
 #[tokio::test]
 async fn b3_chunked_upstream_response_is_stored() {
-    let up = upstream().await;
     let mem = MemoryStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
-    let c = client();
+    let Rig { up, gw, c } = rig_with(mem.clone(), |_| {}).await;
     let k = key("b3");
     let first = post(&c, &gw.url("/chunked"), Some(&k), "{}").await;
     assert_eq!(first.status, 200);
@@ -206,8 +203,7 @@ async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
 
 #[tokio::test]
 async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_runs_once_more() {
-    let raw = raw_upstream(RawAction::CloseWithoutAnswer).await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| {
+    let (raw, gw) = raw_rig(RawAction::CloseWithoutAnswer, |c| {
         c.lease = Duration::from_secs(1);
     })
     .await;
@@ -234,13 +230,10 @@ async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_
 #[tokio::test]
 async fn reset_mid_response_headers_is_a_held_502() {
     // The upstream starts an answer and closes the socket half-way through its head.
-    let raw = raw_upstream(RawAction::WriteAndClose(
-        b"HTTP/1.1 200 OK\r\nContent-Ty".to_vec(),
-    ))
-    .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| {
-        c.lease = Duration::from_secs(5)
-    })
+    let (raw, gw) = raw_rig(
+        RawAction::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Ty".to_vec()),
+        |c| c.lease = Duration::from_secs(5),
+    )
     .await;
     let c = client();
     let k = key("reset");
@@ -254,13 +247,10 @@ async fn reset_mid_response_headers_is_a_held_502() {
 #[tokio::test]
 async fn reset_mid_response_body_holds_the_key() {
     // Headers and part of the body arrive, then the upstream closes the socket.
-    let raw = raw_upstream(RawAction::WriteAndClose(
-        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial".to_vec(),
-    ))
-    .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| {
-        c.lease = Duration::from_secs(5)
-    })
+    let (raw, gw) = raw_rig(
+        RawAction::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial".to_vec()),
+        |c| c.lease = Duration::from_secs(5),
+    )
     .await;
     let c = client();
     let k = key("reset-body");
@@ -292,8 +282,7 @@ async fn reset_mid_response_body_past_the_retention_limit_truncates_and_complete
     // first caller sees a truncated body and a duplicate gets 410.
     let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n".to_vec();
     answer.extend_from_slice(&[b'x'; 40]);
-    let raw = raw_upstream(RawAction::WriteAndClose(answer)).await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| c.retention_limit = 16).await;
+    let (raw, gw) = raw_rig(RawAction::WriteAndClose(answer), |c| c.retention_limit = 16).await;
     let c = client();
     let k = key("reset-big");
     let resp = c
@@ -448,10 +437,8 @@ async fn d2_client_gone_mid_request_body_never_reaches_the_upstream() {
 
 #[tokio::test]
 async fn e1_requests_without_a_key_pass_through_and_blank_keys_are_400() {
-    let up = upstream().await;
     let mem = MemoryStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
-    let c = client();
+    let Rig { up, gw, c } = rig_with(mem.clone(), |_| {}).await;
     let a = post(&c, &gw.url("/orders"), None, "{}").await;
     let b = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!((a.status, b.status), (201, 201));
@@ -655,10 +642,7 @@ async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
 
 #[tokio::test]
 async fn store_unavailable_is_503_and_the_upstream_is_not_called() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|_| {}).await;
     store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = post(&c, &gw.url("/orders"), Some(&key("s503")), "{}").await;
     assert_eq!(r.status, 503, "{}", r.text());
@@ -683,10 +667,7 @@ async fn store_unavailable_is_503_and_the_upstream_is_not_called() {
 
 #[tokio::test]
 async fn corrupt_record_is_500_and_the_gateway_keeps_serving() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|_| {}).await;
     store.set_each(&BEGIN_AND_GET, Fault::Corrupt(UNDECODABLE));
     let r = post(&c, &gw.url("/orders"), Some(&key("corrupt")), "{}").await;
     assert_eq!(r.status, 500, "{}", r.text());

@@ -23,15 +23,13 @@ fn in_flight(r: &Got) -> bool {
 
 #[tokio::test]
 async fn a1_a_store_timeout_while_saving_never_frees_the_key() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.store_timeout = Duration::from_millis(300);
+        cfg.lease = Duration::from_secs(2);
+        cfg.ttl = Duration::from_secs(60);
+    })
+    .await;
     store.set(Op::Complete, Fault::Hang);
-    let mut cfg = config(&up.url());
-    cfg.store_timeout = Duration::from_millis(300);
-    cfg.lease = Duration::from_secs(2);
-    cfg.ttl = Duration::from_secs(60);
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
     let k = key("a1-save-timeout");
 
     let started = Instant::now();
@@ -117,10 +115,7 @@ async fn a_hung_store_answers_503_within_the_store_timeout() {
 
 #[tokio::test]
 async fn fail_closed_is_the_default_and_service_resumes_when_the_store_returns() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|_| {}).await;
     store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     for i in 0..5 {
         let r = post(
@@ -155,12 +150,10 @@ async fn fail_closed_is_the_default_and_service_resumes_when_the_store_returns()
 
 #[tokio::test]
 async fn fail_open_forwards_unprotected_when_begin_fails() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+    })
+    .await;
     store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
 
     let k = key("open");
@@ -219,14 +212,12 @@ async fn fail_open_forwards_unprotected_when_begin_fails() {
 
 #[tokio::test]
 async fn fail_open_never_reruns_a_request_whose_result_could_not_be_saved() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+        cfg.lease = Duration::from_secs(5);
+    })
+    .await;
     store.set(Op::Complete, Fault::Unavailable);
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    cfg.lease = Duration::from_secs(5);
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
     let k = key("open-save");
     let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
@@ -240,12 +231,10 @@ async fn fail_open_never_reruns_a_request_whose_result_could_not_be_saved() {
 
 #[tokio::test]
 async fn fail_open_refuses_a_key_this_gateway_saw_moments_ago() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+    })
+    .await;
     let k = key("seen");
     assert_eq!(
         post(&c, &gw.url("/orders"), Some(&k), "{}").await.status,
@@ -306,13 +295,11 @@ async fn fail_open_passes_an_upstream_503_through_without_a_second_call() {
 
 #[tokio::test]
 async fn fail_open_keeps_the_body_limit_and_bad_keys() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    cfg.max_body = 16;
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+        cfg.max_body = 16;
+    })
+    .await;
     store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     // Over the limit, by Content-Length and by a chunked body.
     let r = post(&c, &gw.url("/orders"), Some(&key("big")), &"x".repeat(64)).await;

@@ -149,8 +149,9 @@ async fn chunked_request_body_is_forwarded_without_transfer_encoding_leaking() {
 
 #[tokio::test]
 async fn hop_by_hop_response_fields_are_removed() {
-    let raw = raw_upstream(RawAction::WriteAndClose(
-        b"HTTP/1.1 200 OK\r\n\
+    let (_raw, gw) = raw_rig(
+        RawAction::WriteAndClose(
+            b"HTTP/1.1 200 OK\r\n\
           Connection: close, X-Hop-Resp\r\n\
           X-Hop-Resp: 1\r\n\
           Keep-Alive: timeout=5\r\n\
@@ -160,10 +161,11 @@ async fn hop_by_hop_response_fields_are_removed() {
           Content-Length: 2\r\n\
           \r\n\
           ok"
-        .to_vec(),
-    ))
+            .to_vec(),
+        ),
+        |_| {},
+    )
     .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |_| {}).await;
     for k in [None, Some(key("hop-resp"))] {
         let mut req = client().post(gw.url("/x")).body("b");
         if let Some(k) = &k {
@@ -187,10 +189,8 @@ async fn hop_by_hop_response_fields_are_removed() {
 
 #[tokio::test]
 async fn get_passes_through_unguarded_even_with_a_key() {
-    let up = upstream().await;
     let mem = MemoryStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
-    let c = client();
+    let Rig { up, gw, c } = rig_with(mem.clone(), |_| {}).await;
     let k = key("get");
     for i in 1..=2 {
         let r = read(
@@ -277,10 +277,7 @@ async fn unguarded_responses_stream_chunk_by_chunk() {
 
 #[tokio::test]
 async fn health_endpoint_reports_the_store_and_is_never_proxied() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|_| {}).await;
     let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
     assert_eq!(r.status, 200);
     assert_eq!(
@@ -599,11 +596,14 @@ async fn open_store_schemes() {
 /// kept-alive connection.
 #[tokio::test]
 async fn http10_upstream_answers_client_in_http11() {
-    let raw = raw_upstream(RawAction::WriteAndClose(
-        b"HTTP/1.0 201 Created\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok".to_vec(),
-    ))
+    let (raw, gw) = raw_rig(
+        RawAction::WriteAndClose(
+            b"HTTP/1.0 201 Created\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
+                .to_vec(),
+        ),
+        |_| {},
+    )
     .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |_| {}).await;
     let k = key("http10");
     let mut sock = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     let request = format!(

@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -197,10 +196,7 @@ async fn routes_outside_the_prefixes_work_as_before() {
 
 #[tokio::test]
 async fn issuing_with_the_store_down_is_503() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up: _up, gw, c }, store) = faulty_rig(|_| {}).await;
     store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = issue(&c, &gw, None).await;
     assert_problem(&r, 503, "store-unavailable");
@@ -211,13 +207,11 @@ async fn issuing_with_the_store_down_is_503() {
 
 #[tokio::test]
 async fn a_token_route_never_fails_open() {
-    let up = upstream().await;
-    let store = FaultyStore::new(MemoryStore::new());
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    cfg.require_token = vec!["/orders".into()];
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+        cfg.require_token = vec!["/orders".into()];
+    })
+    .await;
     let t = token(&c, &gw, None).await;
     store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = post(&c, &gw.url("/orders"), Some(&t), "{}").await;

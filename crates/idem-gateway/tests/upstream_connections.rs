@@ -17,13 +17,12 @@ use tokio::task::JoinHandle;
 /// a hang, and the key is held (a duplicate gets 409, no second run).
 #[tokio::test]
 async fn a_stalled_response_body_fails_after_the_upstream_timeout() {
-    let raw = raw_upstream(RawAction::WriteAndStall(
+    let stall = RawAction::WriteAndStall(
         b"HTTP/1.1 201 Created\r\ncontent-type: text/plain\r\ncontent-length: 20\r\n\r\n0123456789"
             .to_vec(),
         Duration::from_secs(5),
-    ))
-    .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| {
+    );
+    let (raw, gw) = raw_rig(stall, |c| {
         c.upstream_timeout = Duration::from_millis(500);
         c.lease = Duration::from_secs(30);
     })

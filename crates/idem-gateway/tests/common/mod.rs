@@ -14,8 +14,8 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{self, any, get};
 use axum::Router;
-use idem_core::DynStore;
 pub use idem_core::MemoryStore;
+use idem_core::{DynStore, Store};
 use idem_gateway::{Gateway, GatewayConfig};
 pub use idem_testkit::faulty::{Fault, FaultyStore, Op};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -416,6 +416,17 @@ pub async fn raw_upstream(action: RawAction) -> RawUpstream {
     }
 }
 
+/// A raw upstream doing `action`, and a gateway in front of it (memory
+/// store) configured by `tweak`.
+pub async fn raw_rig(
+    action: RawAction,
+    tweak: impl FnOnce(&mut GatewayConfig),
+) -> (RawUpstream, TestGateway) {
+    let raw = raw_upstream(action).await;
+    let gw = gateway(&format!("http://{}", raw.addr), tweak).await;
+    (raw, gw)
+}
+
 /// A running in-process gateway; shut down (gracefully) on drop.
 pub struct TestGateway {
     pub addr: SocketAddr,
@@ -502,6 +513,26 @@ pub async fn rig(tweak: impl FnOnce(&mut GatewayConfig)) -> Rig {
         gw,
         c: client(),
     }
+}
+
+/// Like [`rig`], with the gateway on `store`.
+pub async fn rig_with<S: Store + Clone>(store: S, tweak: impl FnOnce(&mut GatewayConfig)) -> Rig {
+    let up = upstream().await;
+    let mut cfg = config(&up.url());
+    tweak(&mut cfg);
+    let gw = gateway_with(cfg, Arc::new(store)).await;
+    Rig {
+        up,
+        gw,
+        c: client(),
+    }
+}
+
+/// Like [`rig`], with the gateway on a [`FaultyStore`] over a memory
+/// store, returned beside it to arm faults on.
+pub async fn faulty_rig(tweak: impl FnOnce(&mut GatewayConfig)) -> (Rig, FaultyStore<MemoryStore>) {
+    let store = FaultyStore::new(MemoryStore::new());
+    (rig_with(store.clone(), tweak).await, store)
 }
 
 impl Rig {
