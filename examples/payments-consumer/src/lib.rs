@@ -73,57 +73,47 @@ fn parse(msg: &Message) -> Result<PaymentCaptured, BoxError> {
     Ok(p)
 }
 
-#[async_trait]
-impl TxHandler<sqlx::Sqlite> for Credit {
-    async fn handle(
-        &self,
-        tx: &mut Transaction<'static, sqlx::Sqlite>,
-        msg: &Message,
-    ) -> Result<(), BoxError> {
-        let p = parse(msg)?;
-        sqlx::query("INSERT INTO credits (payment_id, account, amount_cents) VALUES (?1, ?2, ?3)")
-            .bind(&p.payment_id)
-            .bind(&p.account)
-            .bind(p.amount_cents)
-            .execute(&mut **tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO accounts (account, balance_cents) VALUES (?1, ?2) \
-             ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
-        )
-        .bind(&p.account)
-        .bind(p.amount_cents)
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
-    }
+/// `TxHandler<$db> for Credit`, with the two statements in `$db`'s
+/// placeholder syntax: insert the credit, then add it to the balance.
+macro_rules! credit_handler {
+    ($db:ty, $insert_credit:literal, $add_to_balance:literal) => {
+        #[async_trait]
+        impl TxHandler<$db> for Credit {
+            async fn handle(
+                &self,
+                tx: &mut Transaction<'static, $db>,
+                msg: &Message,
+            ) -> Result<(), BoxError> {
+                let p = parse(msg)?;
+                sqlx::query($insert_credit)
+                    .bind(&p.payment_id)
+                    .bind(&p.account)
+                    .bind(p.amount_cents)
+                    .execute(&mut **tx)
+                    .await?;
+                sqlx::query($add_to_balance)
+                    .bind(&p.account)
+                    .bind(p.amount_cents)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }
+        }
+    };
 }
 
-#[async_trait]
-impl TxHandler<sqlx::Postgres> for Credit {
-    async fn handle(
-        &self,
-        tx: &mut Transaction<'static, sqlx::Postgres>,
-        msg: &Message,
-    ) -> Result<(), BoxError> {
-        let p = parse(msg)?;
-        sqlx::query("INSERT INTO credits (payment_id, account, amount_cents) VALUES ($1, $2, $3)")
-            .bind(&p.payment_id)
-            .bind(&p.account)
-            .bind(p.amount_cents)
-            .execute(&mut **tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2) \
-             ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
-        )
-        .bind(&p.account)
-        .bind(p.amount_cents)
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
-    }
-}
+credit_handler!(
+    sqlx::Sqlite,
+    "INSERT INTO credits (payment_id, account, amount_cents) VALUES (?1, ?2, ?3)",
+    "INSERT INTO accounts (account, balance_cents) VALUES (?1, ?2) \
+     ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents"
+);
+credit_handler!(
+    sqlx::Postgres,
+    "INSERT INTO credits (payment_id, account, amount_cents) VALUES ($1, $2, $3)",
+    "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2) \
+     ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents"
+);
 
 const SCHEMA: [&str; 2] = [
     "CREATE TABLE IF NOT EXISTS accounts (account VARCHAR(255) PRIMARY KEY, balance_cents BIGINT NOT NULL)",
