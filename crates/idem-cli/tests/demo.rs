@@ -7,7 +7,7 @@ mod support;
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use support::idem;
+use support::{idem, succeeded};
 
 /// Runs the `idem` binary with `args` in `dir`, killing it after `limit`.
 fn run_idem(dir: &std::path::Path, args: &[&str], limit: Duration) -> Output {
@@ -42,13 +42,7 @@ fn demo_walks_the_lost_response_story_and_charges_once() {
         &["demo", "--no-serve", "--listen", "127.0.0.1:0"],
         Duration::from_secs(60),
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "idem demo failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        out.status
-    );
+    let (stdout, _) = succeeded(&out, "idem demo");
     assert!(
         stdout.contains(" 1 time for 20 concurrent requests (order PAID)."),
         "the demo did not report 1 charge for 20 requests:\n{stdout}"
@@ -98,12 +92,7 @@ fn a_second_demo_run_uses_a_fresh_key_and_still_charges_once() {
             ],
             Duration::from_secs(60),
         );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "idem demo failed:\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let (stdout, _) = succeeded(&out, "idem demo");
         assert!(
             stdout.contains(" 1 time for 5 concurrent requests (order PAID)."),
             "{stdout}"

@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use support::idem;
+use support::{idem, succeeded};
 
 /// A child process that is killed if the test ends early.
 struct Guard(Child);
@@ -90,13 +90,7 @@ fn run_python_client(gateway: &str, stats: &str) {
         .arg(stats)
         .output()
         .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "gateway_client.py failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        out.status
-    );
+    let (stdout, _) = succeeded(&out, "gateway_client.py");
     assert!(stdout.contains("all end-to-end checks passed"), "{stdout}");
 }
 

@@ -23,25 +23,26 @@ use idem_core::{
     StoreError, StoredResponse,
 };
 
-/// One operation of the [`Store`] trait.
+/// One operation of the [`Store`] trait (its discriminant indexes the
+/// per-operation faults and counters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Op {
     /// [`Store::begin`].
-    Begin,
+    Begin = 0,
     /// [`Store::complete`].
-    Complete,
+    Complete = 1,
     /// [`Store::release`].
-    Release,
+    Release = 2,
     /// [`Store::extend`].
-    Extend,
+    Extend = 3,
     /// [`Store::get`].
-    Get,
+    Get = 4,
     /// [`Store::delete`].
-    Delete,
+    Delete = 5,
     /// [`Store::purge_expired`].
-    PurgeExpired,
+    PurgeExpired = 6,
     /// [`Store::wait_for_change`].
-    WaitForChange,
+    WaitForChange = 7,
 }
 
 impl Op {

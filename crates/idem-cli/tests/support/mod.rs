@@ -113,6 +113,19 @@ pub fn unique(label: &str) -> String {
     format!("{label}_{}_{micros}", std::process::id())
 }
 
+/// The standard output and error of a finished child, after asserting
+/// that it succeeded (`what` names it in the failure, with both outputs).
+pub fn succeeded(out: &std::process::Output, what: &str) -> (String, String) {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    (stdout, stderr)
+}
+
 /// Runs a cleanup command; a failure is reported, never fatal.
 pub fn cleanup(what: &str, program: &str, args: &[&str]) {
     match Command::new(program)

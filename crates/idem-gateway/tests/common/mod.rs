@@ -665,6 +665,18 @@ pub async fn post(c: &reqwest::Client, url: &str, key: Option<&str>, body: &str)
     read(r.send().await.unwrap()).await
 }
 
+/// POSTs `{}` with key `k` to `url` twice: the first runs (201), the
+/// second is its replay. Returns the first.
+pub async fn runs_then_replays(c: &reqwest::Client, url: &str, k: &str) -> Got {
+    let first = post(c, url, Some(k), "{}").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(
+        post(c, url, Some(k), "{}").await.replayed(),
+        "{k} was not replayed"
+    );
+    first
+}
+
 /// A free port on 127.0.0.1 (bound, read, closed).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -695,12 +707,8 @@ pub async fn eventually(bound: Duration, mut cond: impl FnMut() -> bool) -> bool
 
 /// An error and its sources, `outer: inner: innermost`.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
+    std::iter::successors(Some(e), |e| e.source())
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
 }
