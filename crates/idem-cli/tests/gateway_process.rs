@@ -141,22 +141,21 @@ fn sqlite_url(dir: &Path) -> String {
     format!("sqlite://{}", dir.join("idem.db").display())
 }
 
-/// What the SQLite tests start from: the upstream, a temporary folder, and
-/// the store URL of `idem.db` in it.
-async fn sqlite_setup() -> (Upstream, tempfile::TempDir, String) {
+/// What the SQLite tests start from: the upstream, a temporary folder, the
+/// store URL of `idem.db` in it, and a client.
+async fn sqlite_setup() -> (Upstream, tempfile::TempDir, String, reqwest::Client) {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let store = sqlite_url(dir.path());
-    (up, dir, store)
+    (up, dir, store, reqwest::Client::new())
 }
 
 // ------------------------------------------------------------------- tests
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_results_survive_sigkill_and_restart() {
-    let (up, dir, store) = sqlite_setup().await;
+    let (up, dir, store, c) = sqlite_setup().await;
     let args = ["--upstream", &up.url, "--store", &store];
-    let c = reqwest::Client::new();
 
     let mut a = GatewayProc::start(dir.path(), "a", &args).await;
     let first = post_key(&c, &a.url("/orders"), "survive-1").await;
@@ -178,7 +177,7 @@ async fn sqlite_results_survive_sigkill_and_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b1_crash_after_the_claim_blocks_retries_only_for_the_lease() {
-    let (up, dir, store) = sqlite_setup().await;
+    let (up, dir, store, c) = sqlite_setup().await;
     let args = [
         "--upstream",
         &up.url,
@@ -189,7 +188,6 @@ async fn b1_crash_after_the_claim_blocks_retries_only_for_the_lease() {
         "--ttl",
         "1h",
     ];
-    let c = reqwest::Client::new();
     let mut a = GatewayProc::start(dir.path(), "a", &args).await;
     // The survivor runs beside A on the same file, so the retries below do
     // not depend on how fast a process restarts.
@@ -238,11 +236,10 @@ async fn b1_crash_after_the_claim_blocks_retries_only_for_the_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateway_processes_on_one_sqlite_file_run_a_key_once() {
-    let (up, dir, store) = sqlite_setup().await;
+    let (up, dir, store, c) = sqlite_setup().await;
     let args = ["--upstream", &up.url, "--store", &store];
     let a = GatewayProc::start(dir.path(), "a", &args).await;
     let b = GatewayProc::start(dir.path(), "b", &args).await;
-    let c = reqwest::Client::new();
     let mut tasks = Vec::new();
     for i in 0..20 {
         let url = if i % 2 == 0 {
@@ -281,9 +278,8 @@ async fn two_gateway_processes_on_one_sqlite_file_run_a_key_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_the_in_flight_request_finish_and_be_stored() {
-    let (up, dir, store) = sqlite_setup().await;
+    let (up, dir, store, c) = sqlite_setup().await;
     let args = ["--upstream", &up.url, "--store", &store];
-    let c = reqwest::Client::new();
     let mut a = GatewayProc::start(dir.path(), "a", &args).await;
     let url = a.url("/slow?ms=1500");
     let inflight = tokio::spawn({

@@ -39,6 +39,14 @@ mod memory_tests {
         store.begin(&named(name, lease)).await
     }
 
+    /// Expects `begin` of `name` to be refused with `Full`.
+    async fn refused_full(store: &MemoryStore, name: &str) {
+        match claim(store, name, MIN).await {
+            Err(StoreError::Full { .. }) => {}
+            other => panic!("expected Full, got {other:?}"),
+        }
+    }
+
     /// Expects `begin` of `name` to claim it.
     async fn acquires(store: &MemoryStore, name: &str, lease: Duration) {
         let got = claim(store, name, lease).await;
@@ -95,10 +103,7 @@ mod memory_tests {
         let store = h.store();
         done(&store, "a", MIN).await;
         done(&store, "b", 2 * SEC).await;
-        match claim(&store, "c", MIN).await {
-            Err(StoreError::Full { .. }) => {}
-            other => panic!("expected Full, got {other:?}"),
-        }
+        refused_full(&store, "c").await;
         replays(&store, "a").await;
         replays(&store, "b").await;
         // b expires: now there is room, and a is still replayed.
@@ -149,10 +154,7 @@ mod memory_tests {
         in_flight(&store, "g").await;
 
         // Only live claims remain: refuse rather than evict one.
-        match claim(&store, "h", MIN).await {
-            Err(StoreError::Full { .. }) => {}
-            other => panic!("expected Full, got {other:?}"),
-        }
+        refused_full(&store, "h").await;
         in_flight(&store, "d").await;
         in_flight(&store, "f").await;
         in_flight(&store, "g").await;
@@ -239,10 +241,7 @@ mod memory_tests {
                                   // Full: the live result goes, never the extended claim.
         acquires(&store, "next", MIN).await;
         in_flight(&store, "long").await;
-        match claim(&store, "more", MIN).await {
-            Err(StoreError::Full { .. }) => {}
-            other => panic!("expected Full, got {other:?}"),
-        }
+        refused_full(&store, "more").await;
         in_flight(&store, "long").await;
         store
             .complete(&lease, &response("long"), MIN)
