@@ -383,10 +383,7 @@ async fn d2_client_gone_before_the_answer_still_stores_it() {
     let up = upstream().await;
     let gw = gateway(&up.url(), |_| {}).await;
     let k = key("d2");
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(150))
-        .build()
-        .unwrap();
+    let impatient = impatient(150);
     let gone = impatient
         .post(gw.url("/slow?ms=500"))
         .header("idempotency-key", &k)
@@ -507,14 +504,15 @@ async fn e2_same_key_on_another_path_body_or_method_is_422() {
     assert_eq!(other_path.problem_type(), "urn:idem:problem:key-mismatch");
     let other_body = post(&c, &gw.url("/orders"), Some(&k), r#"{"n":2}"#).await;
     assert_eq!(other_body.status, 422);
-    let other_method = read(
-        c.patch(gw.url("/orders"))
-            .header("idempotency-key", &k)
-            .header("content-type", "application/json")
-            .body(r#"{"n":1}"#)
-            .send()
-            .await
-            .unwrap(),
+    let other_method = send(
+        &c,
+        Method::PATCH,
+        &gw.url("/orders"),
+        &[
+            ("idempotency-key", &k),
+            ("content-type", "application/json"),
+        ],
+        r#"{"n":1}"#,
     )
     .await;
     assert_eq!(other_method.status, 422);
@@ -676,7 +674,7 @@ async fn corrupt_record_is_500_and_the_gateway_keeps_serving() {
     store.clear_all();
     let r = post(&c, &gw.url("/orders"), Some(&key("after-corrupt")), "{}").await;
     assert_eq!(r.status, 201);
-    let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let r = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(r.status, 200);
 }
 
@@ -732,7 +730,7 @@ async fn sqlite_corrupt_record_is_500_and_a_broken_store_is_503() {
         2,
         "the upstream was called although the store failed"
     );
-    let r = read(c.get(url("/_idem/health")).send().await.unwrap()).await;
+    let r = fetch(&c, &url("/_idem/health")).await;
     assert_eq!(r.status, 503, "{}", r.text());
     serve.abort();
 }
@@ -760,12 +758,7 @@ async fn require_key_refuses_guarded_requests_without_one() {
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!(r.status, 400);
     assert_eq!(r.problem_type(), "urn:idem:problem:key-required");
-    assert_eq!(
-        read(c.get(gw.url("/items")).send().await.unwrap())
-            .await
-            .status,
-        200
-    );
+    assert_eq!(fetch(&c, &gw.url("/items")).await.status, 200);
     assert_eq!(up.hits(), 1);
 }
 

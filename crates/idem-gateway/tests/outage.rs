@@ -134,7 +134,7 @@ async fn fail_closed_is_the_default_and_service_resumes_when_the_store_returns()
         assert_eq!(r.header("idempotency-status"), None);
     }
     assert_eq!(up.hits(), 0, "fail-closed reached the upstream");
-    let h = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let h = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(h.status, 503);
     store.clear_all();
     let k = key("back");
@@ -152,15 +152,16 @@ async fn fail_open_forwards_unprotected_when_begin_fails() {
 
     let k = key("open");
     let body = r#"{"amount": 10}"#;
-    let r = read(
-        c.post(gw.url("/echo?x=1"))
-            .header("idempotency-key", &k)
-            .header("content-type", "application/json")
-            .header("authorization", "Bearer a")
-            .body(body)
-            .send()
-            .await
-            .unwrap(),
+    let r = send(
+        &c,
+        Method::POST,
+        &gw.url("/echo?x=1"),
+        &[
+            ("idempotency-key", &k),
+            ("content-type", "application/json"),
+            ("authorization", "Bearer a"),
+        ],
+        body,
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.text());
@@ -190,7 +191,7 @@ async fn fail_open_forwards_unprotected_when_begin_fails() {
     // Unguarded requests are not marked; the store's own health is still 503.
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!((r.status, r.header("idempotency-status")), (201, None));
-    let h = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let h = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(h.status, 503);
 
     // Back to normal when the store is.

@@ -15,15 +15,16 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 async fn forwards_method_path_query_headers_and_body() {
     let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("fwd");
-    let r = read(
-        c.post(gw.url("/echo?a=1&b=%20x"))
-            .header("idempotency-key", &k)
-            .header("x-custom", "one")
-            .header("content-type", "text/plain")
-            .body("hello body")
-            .send()
-            .await
-            .unwrap(),
+    let r = send(
+        &c,
+        Method::POST,
+        &gw.url("/echo?a=1&b=%20x"),
+        &[
+            ("idempotency-key", &k),
+            ("x-custom", "one"),
+            ("content-type", "text/plain"),
+        ],
+        "hello body",
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.text());
@@ -43,12 +44,12 @@ async fn upstream_path_prefix_is_prepended() {
     // The upstream's routes live at /, so a prefix of "/" is a no-op and
     // a real prefix must show up in what the upstream sees.
     let gw = gateway(&format!("{}/", up.url()), |_| {}).await;
-    let r = read(client().get(gw.url("/items?x=1")).send().await.unwrap()).await;
+    let r = fetch(&client(), &gw.url("/items?x=1")).await;
     assert_eq!(r.status, 200);
     assert_eq!(up.last_seen().uri.to_string(), "/items?x=1");
 
     let gw2 = gateway(&format!("{}/api", up.url()), |_| {}).await;
-    let r = read(client().get(gw2.url("/items")).send().await.unwrap()).await;
+    let r = fetch(&client(), &gw2.url("/items")).await;
     assert_eq!(r.status, 404, "the upstream has no /api/items");
     assert_eq!(up.last_seen().uri.path(), "/api/items");
 }
@@ -75,7 +76,7 @@ async fn x_forwarded_for_is_appended_and_host_rewritten() {
     assert_eq!(seen.headers["x-forwarded-proto"], "http");
 
     // Without an earlier proxy, the list is just the client.
-    read(client().get(gw.url("/echo")).send().await.unwrap()).await;
+    fetch(&client(), &gw.url("/echo")).await;
     assert_eq!(up.last_seen().headers["x-forwarded-for"], "127.0.0.1");
 }
 
@@ -278,7 +279,7 @@ async fn unguarded_responses_stream_chunk_by_chunk() {
 #[tokio::test]
 async fn health_endpoint_reports_the_store_and_is_never_proxied() {
     let (Rig { up, gw, c }, store) = faulty_rig(|_| {}).await;
-    let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let r = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(r.status, 200);
     assert_eq!(
         r.header("content-type").as_deref(),
@@ -289,7 +290,7 @@ async fn health_endpoint_reports_the_store_and_is_never_proxied() {
         serde_json::json!({"status": "ok", "store": "memory"})
     );
 
-    let r = read(c.get(gw.url("/_idem/nope")).send().await.unwrap()).await;
+    let r = fetch(&c, &gw.url("/_idem/nope")).await;
     assert_eq!(r.status, 404);
     assert_eq!(
         r.header("content-type").as_deref(),
@@ -309,11 +310,11 @@ async fn health_endpoint_reports_the_store_and_is_never_proxied() {
     assert_eq!(r.header("allow").as_deref(), Some("GET, HEAD"));
 
     store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
-    let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let r = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(r.status, 503);
     assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
     store.clear_all();
-    let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let r = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(r.status, 200);
 
     assert_eq!(up.hits(), 0, "an /_idem/ path reached the upstream");
@@ -403,10 +404,7 @@ async fn shutdown_waits_for_the_run_of_a_client_that_left() {
     let k = key("left");
     // The client gives up long before the 1 s upstream call ends; its
     // connection closes, the run goes on in the layer's spawned task.
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(200))
-        .build()
-        .unwrap();
+    let impatient = impatient(200);
     let gone = impatient
         .post(gw.url("/slow?ms=1000"))
         .header("idempotency-key", &k)
@@ -464,10 +462,7 @@ async fn shutdown_gives_up_on_a_left_run_after_the_grace() {
         c
     };
     let mut gw = gateway_with(gw_cfg, Arc::new(MemoryStore::new())).await;
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
+    let impatient = impatient(100);
     let gone = impatient
         .post(gw.url("/slow?ms=5000"))
         .header("idempotency-key", key("grace"))

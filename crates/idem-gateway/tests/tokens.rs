@@ -63,7 +63,7 @@ async fn issuing_a_token_answers_201_json() {
     let again = token(&c, &gw, None).await;
     assert_ne!(again, t);
     // Only POST.
-    let get = read(c.get(gw.url("/_idem/tokens")).send().await.unwrap()).await;
+    let get = fetch(&c, &gw.url("/_idem/tokens")).await;
     assert_problem(&get, 405, "method-not-allowed");
     assert_eq!(get.header("allow").as_deref(), Some("POST"));
     assert_eq!(up.hits(), 0, "never proxied");

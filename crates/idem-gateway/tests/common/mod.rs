@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, Method, StatusCode, Uri};
+pub use axum::http::Method;
+use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{self, any, get};
 use axum::Router;
@@ -533,18 +534,6 @@ pub async fn rig_with<S: Store + Clone>(store: S, tweak: impl FnOnce(&mut Gatewa
 pub async fn faulty_rig(tweak: impl FnOnce(&mut GatewayConfig)) -> (Rig, FaultyStore<MemoryStore>) {
     let store = FaultyStore::new(MemoryStore::new());
     (rig_with(store.clone(), tweak).await, store)
-}
-
-impl Rig {
-    /// POSTs `body` to the gateway's `path` (see [`post`]).
-    pub async fn post(&self, path: &str, key: Option<&str>, body: &str) -> Got {
-        post(&self.c, &self.gw.url(path), key, body).await
-    }
-
-    /// The upstream's executions so far.
-    pub fn hits(&self) -> usize {
-        self.up.hits()
-    }
 }
 
 /// Sends `method url` with `headers` (repeats kept) and `body`, read to the end.
