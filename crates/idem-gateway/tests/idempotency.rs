@@ -383,15 +383,7 @@ async fn d2_client_gone_before_the_answer_still_stores_it() {
     let up = upstream().await;
     let gw = gateway(&up.url(), |_| {}).await;
     let k = key("d2");
-    let impatient = impatient(150);
-    let gone = impatient
-        .post(gw.url("/slow?ms=500"))
-        .header("idempotency-key", &k)
-        .header("content-type", "application/json")
-        .body("{}")
-        .send()
-        .await;
-    assert!(gone.is_err(), "the client was meant to give up");
+    give_up_on(&gw.url("/slow?ms=500"), &k, 150).await;
     // The upstream call goes on and its result is stored: retries see 409
     // until it lands, then the replay.
     let deadline = Instant::now() + Duration::from_secs(10);

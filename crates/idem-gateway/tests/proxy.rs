@@ -404,15 +404,7 @@ async fn shutdown_waits_for_the_run_of_a_client_that_left() {
     let k = key("left");
     // The client gives up long before the 1 s upstream call ends; its
     // connection closes, the run goes on in the layer's spawned task.
-    let impatient = impatient(200);
-    let gone = impatient
-        .post(gw.url("/slow?ms=1000"))
-        .header("idempotency-key", &k)
-        .header("content-type", "application/json")
-        .body("{}")
-        .send()
-        .await;
-    assert!(gone.is_err(), "the client was meant to give up");
+    give_up_on(&gw.url("/slow?ms=1000"), &k, 200).await;
     assert_eq!(up.hits(), 1);
     // Let the gateway notice the closed connection: no connection is left
     // for the graceful shutdown to wait on.

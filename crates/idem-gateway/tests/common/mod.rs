@@ -564,6 +564,15 @@ pub fn impatient(ms: u64) -> reqwest::Client {
         .unwrap()
 }
 
+/// POSTs `{}` with key `k` to `url` from a client that gives up after
+/// `ms` milliseconds, and expects it to give up (the call goes on).
+pub async fn give_up_on(url: &str, k: &str, ms: u64) {
+    let gone = post_request(&impatient(ms), url, Some(k), "{}")
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client was meant to give up");
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
@@ -644,14 +653,24 @@ pub async fn read(resp: reqwest::Response) -> Got {
 
 /// POSTs `body` to `url` with an `Idempotency-Key` (when given).
 pub async fn post(c: &reqwest::Client, url: &str, key: Option<&str>, body: &str) -> Got {
-    let mut r = c
+    read(post_request(c, url, key, body).send().await.unwrap()).await
+}
+
+/// The request [`post`] sends.
+pub fn post_request(
+    c: &reqwest::Client,
+    url: &str,
+    key: Option<&str>,
+    body: &str,
+) -> reqwest::RequestBuilder {
+    let r = c
         .post(url)
         .header("content-type", "application/json")
         .body(body.to_owned());
-    if let Some(k) = key {
-        r = r.header("idempotency-key", k);
+    match key {
+        Some(k) => r.header("idempotency-key", k),
+        None => r,
     }
-    read(r.send().await.unwrap()).await
 }
 
 /// POSTs `{}` with key `k` to `url` twice: the first runs (201), the
