@@ -102,6 +102,28 @@ macro_rules! credit_handler {
     };
 }
 
+/// One `sqlx::query_scalar` on a [`Ledger`]'s pool: the statement in the
+/// pool's placeholder syntax (`$sqlite` or `$postgres`), bound to `$arg`,
+/// fetched with `$fetch` (`fetch_one`, `fetch_optional`).
+macro_rules! ledger_scalar {
+    ($ledger:expr, $sqlite:literal, $postgres:literal, $arg:expr, $fetch:ident) => {
+        match $ledger {
+            Ledger::Sqlite(p) => {
+                sqlx::query_scalar($sqlite)
+                    .bind($arg)
+                    .$fetch(p.inbox().pool())
+                    .await?
+            }
+            Ledger::Postgres(p) => {
+                sqlx::query_scalar($postgres)
+                    .bind($arg)
+                    .$fetch(p.inbox().pool())
+                    .await?
+            }
+        }
+    };
+}
+
 credit_handler!(
     sqlx::Sqlite,
     "INSERT INTO credits (payment_id, account, amount_cents) VALUES (?1, ?2, ?3)",
@@ -172,20 +194,13 @@ impl Ledger {
     /// # Errors
     /// [`Error::Database`].
     pub async fn balance(&self, account: &str) -> Result<i64, Error> {
-        let b: Option<i64> = match self {
-            Ledger::Sqlite(p) => {
-                sqlx::query_scalar("SELECT balance_cents FROM accounts WHERE account = ?1")
-                    .bind(account)
-                    .fetch_optional(p.inbox().pool())
-                    .await?
-            }
-            Ledger::Postgres(p) => {
-                sqlx::query_scalar("SELECT balance_cents FROM accounts WHERE account = $1")
-                    .bind(account)
-                    .fetch_optional(p.inbox().pool())
-                    .await?
-            }
-        };
+        let b: Option<i64> = ledger_scalar!(
+            self,
+            "SELECT balance_cents FROM accounts WHERE account = ?1",
+            "SELECT balance_cents FROM accounts WHERE account = $1",
+            account,
+            fetch_optional
+        );
         Ok(b.unwrap_or(0))
     }
 
@@ -195,20 +210,13 @@ impl Ledger {
     /// # Errors
     /// [`Error::Database`].
     pub async fn credits_for(&self, payment_id: &str) -> Result<i64, Error> {
-        Ok(match self {
-            Ledger::Sqlite(p) => {
-                sqlx::query_scalar("SELECT count(*) FROM credits WHERE payment_id = ?1")
-                    .bind(payment_id)
-                    .fetch_one(p.inbox().pool())
-                    .await?
-            }
-            Ledger::Postgres(p) => {
-                sqlx::query_scalar("SELECT count(*) FROM credits WHERE payment_id = $1")
-                    .bind(payment_id)
-                    .fetch_one(p.inbox().pool())
-                    .await?
-            }
-        })
+        Ok(ledger_scalar!(
+            self,
+            "SELECT count(*) FROM credits WHERE payment_id = ?1",
+            "SELECT count(*) FROM credits WHERE payment_id = $1",
+            payment_id,
+            fetch_one
+        ))
     }
 
     /// Deletes inbox rows older than `age` (see the retention warning in
