@@ -102,24 +102,31 @@ macro_rules! credit_handler {
     };
 }
 
+/// Creates the ledger's tables on `$pool`, then the inbox over it
+/// (migrated) with the [`Credit`] handler.
+macro_rules! ledger_inbox {
+    ($pool:expr) => {{
+        let pool = $pool;
+        for s in SCHEMA {
+            sqlx::query(s).execute(&pool).await?;
+        }
+        let inbox = Inbox::with_options(pool, InboxOptions::default())?;
+        inbox.migrate().await?;
+        SqlInbox::new(inbox, Credit)
+    }};
+}
+
 /// One `sqlx::query_scalar` on a [`Ledger`]'s pool: the statement in the
 /// pool's placeholder syntax (`$sqlite` or `$postgres`), bound to `$arg`,
 /// fetched with `$fetch` (`fetch_one`, `fetch_optional`).
 macro_rules! ledger_scalar {
+    (@on $pool:expr, $sql:literal, $arg:expr, $fetch:ident) => {
+        sqlx::query_scalar($sql).bind($arg).$fetch($pool).await?
+    };
     ($ledger:expr, $sqlite:literal, $postgres:literal, $arg:expr, $fetch:ident) => {
         match $ledger {
-            Ledger::Sqlite(p) => {
-                sqlx::query_scalar($sqlite)
-                    .bind($arg)
-                    .$fetch(p.inbox().pool())
-                    .await?
-            }
-            Ledger::Postgres(p) => {
-                sqlx::query_scalar($postgres)
-                    .bind($arg)
-                    .$fetch(p.inbox().pool())
-                    .await?
-            }
+            Ledger::Sqlite(p) => ledger_scalar!(@on p.inbox().pool(), $sqlite, $arg, $fetch),
+            Ledger::Postgres(p) => ledger_scalar!(@on p.inbox().pool(), $postgres, $arg, $fetch),
         }
     };
 }
@@ -167,23 +174,13 @@ impl Ledger {
             let pool = sqlx::sqlite::SqlitePoolOptions::new()
                 .connect_with(opts)
                 .await?;
-            for s in SCHEMA {
-                sqlx::query(s).execute(&pool).await?;
-            }
-            let inbox = Inbox::with_options(pool, InboxOptions::default())?;
-            inbox.migrate().await?;
-            Ok(Self::Sqlite(SqlInbox::new(inbox, Credit)))
+            Ok(Self::Sqlite(ledger_inbox!(pool)))
         } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .acquire_timeout(Duration::from_secs(10))
                 .connect(url)
                 .await?;
-            for s in SCHEMA {
-                sqlx::query(s).execute(&pool).await?;
-            }
-            let inbox = Inbox::with_options(pool, InboxOptions::default())?;
-            inbox.migrate().await?;
-            Ok(Self::Postgres(SqlInbox::new(inbox, Credit)))
+            Ok(Self::Postgres(ledger_inbox!(pool)))
         } else {
             Err(Error::UnsupportedUrl(url.to_owned()))
         }
