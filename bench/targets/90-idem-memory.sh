@@ -1,14 +1,7 @@
 # idem gateway, memory store, in front of the harness's upstream. Compare with "nginx proxy -> upstream".
-# shellcheck source=../lib/scenarios.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../lib/scenarios.sh"
+# shellcheck source=../lib/idem_target.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/idem_target.sh"
 T_NAME="idem gateway (memory) -> upstream"
 T_DESC="idem gateway release build (default runtime: a worker per CPU), memory:// store, in front of the same node upstream"
-T_PORT=18090
-T_URL="http://127.0.0.1:$T_PORT/orders"
-T_COUNT_URL="http://127.0.0.1:$UPSTREAM_PORT/__count"
-T_SCENARIOS="unique repeat nokey"
-t_start() {
-  RUST_LOG=warn IDEM_RUNTIME_THREADS=${IDEM_RUNTIME_THREADS:-0} bench_bg idem-memory "${IDEM_BIN:?set IDEM_BIN to the release build of idem}" gateway \
-    --listen 127.0.0.1:$T_PORT --upstream http://127.0.0.1:$UPSTREAM_PORT --store memory://
-}
-t_stop() { stop_bg idem-memory; }
+T_THREADS=${IDEM_RUNTIME_THREADS:-0}
+idem_gateway_target idem-memory 18090 "unique repeat nokey" memory://

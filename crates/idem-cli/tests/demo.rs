@@ -2,23 +2,21 @@
 //! gateway: a lost provider answer and a retry make one charge, 20
 //! concurrent duplicates make one charge, and the demo exits.
 
-use std::process::{Command, Output, Stdio};
+mod support;
+
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
+
+use support::{idem, succeeded};
 
 /// Runs the `idem` binary with `args` in `dir`, killing it after `limit`.
 fn run_idem(dir: &std::path::Path, args: &[&str], limit: Duration) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    // Settings from the developer's environment must not change the outcome.
+    let mut cmd = idem();
     cmd.args(args)
         .current_dir(dir)
-        .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    // Settings from the developer's environment must not change the outcome.
-    for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("IDEM_") {
-            cmd.env_remove(name);
-        }
-    }
     let mut child = cmd.spawn().expect("start idem");
     let start = Instant::now();
     while child.try_wait().expect("wait for idem").is_none() {
@@ -44,13 +42,7 @@ fn demo_walks_the_lost_response_story_and_charges_once() {
         &["demo", "--no-serve", "--listen", "127.0.0.1:0"],
         Duration::from_secs(60),
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "idem demo failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        out.status
-    );
+    let (stdout, _) = succeeded(&out, "idem demo");
     assert!(
         stdout.contains(" 1 time for 20 concurrent requests (order PAID)."),
         "the demo did not report 1 charge for 20 requests:\n{stdout}"
@@ -100,12 +92,7 @@ fn a_second_demo_run_uses_a_fresh_key_and_still_charges_once() {
             ],
             Duration::from_secs(60),
         );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "idem demo failed:\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let (stdout, _) = succeeded(&out, "idem demo");
         assert!(
             stdout.contains(" 1 time for 5 concurrent requests (order PAID)."),
             "{stdout}"
@@ -119,26 +106,16 @@ fn a_second_demo_run_uses_a_fresh_key_and_still_charges_once() {
 #[test]
 fn help_describes_the_commands() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let out = run_idem(dir.path(), &["--help"], Duration::from_secs(10));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success());
-    assert!(text.contains("gateway") && text.contains("demo"), "{text}");
-
-    let out = run_idem(dir.path(), &["gateway", "--help"], Duration::from_secs(10));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success());
-    assert!(
-        text.contains("--upstream") && text.contains("IDEM_"),
-        "{text}"
-    );
-
-    let out = run_idem(dir.path(), &["demo", "--help"], Duration::from_secs(10));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success());
-    assert!(
-        text.contains("--no-serve") && text.contains("--listen"),
-        "{text}"
-    );
+    for (args, needles) in [
+        (&["--help"][..], &["gateway", "demo"][..]),
+        (&["gateway", "--help"][..], &["--upstream", "IDEM_"][..]),
+        (&["demo", "--help"][..], &["--no-serve", "--listen"][..]),
+    ] {
+        let out = run_idem(dir.path(), args, Duration::from_secs(10));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args:?}");
+        assert!(needles.iter().all(|n| text.contains(n)), "{args:?}: {text}");
+    }
 }
 
 #[test]

@@ -5,11 +5,15 @@
 //! A second test puts a separate `idem gateway` process (SQLite store, JSON
 //! logs) in front of the demo's service and runs the same script through it.
 
+mod support;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use support::{idem, succeeded};
 
 /// A child process that is killed if the test ends early.
 struct Guard(Child);
@@ -19,18 +23,6 @@ impl Drop for Guard {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-/// `idem` with the developer's IDEM_* settings removed.
-fn idem() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
-    for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("IDEM_") {
-            cmd.env_remove(name);
-        }
-    }
-    cmd.stdin(Stdio::null());
-    cmd
 }
 
 /// Lines of a child's pipe, read on a thread.
@@ -98,13 +90,7 @@ fn run_python_client(gateway: &str, stats: &str) {
         .arg(stats)
         .output()
         .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "gateway_client.py failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        out.status
-    );
+    let (stdout, _) = succeeded(&out, "gateway_client.py");
     assert!(stdout.contains("all end-to-end checks passed"), "{stdout}");
 }
 

@@ -8,10 +8,9 @@
 //! executions; each gateway is a child process (killed on drop) on a port
 //! picked by binding 127.0.0.1:0 and closing it.
 
-use std::fs::File;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod support;
+
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +19,7 @@ use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
+use support::{idem, serve, GatewayProc};
 
 // ---------------------------------------------------------------- upstream
 
@@ -75,154 +75,30 @@ impl Upstream {
                 ),
             )
             .with_state(hits.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (url, task) = serve(app).await;
         Self { url, hits, task }
     }
 
     fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
     }
+
+    /// Waits (at most 10 s) until the upstream has been called.
+    async fn wait_for_hit(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.hits() == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the claim never reached the upstream"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 impl Drop for Upstream {
     fn drop(&mut self) {
         self.task.abort();
-    }
-}
-
-// ----------------------------------------------------------------- gateway
-
-/// A free port on 127.0.0.1 (bound, read, closed).
-fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-/// `idem` with the developer's IDEM_* settings removed.
-fn idem() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
-    for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("IDEM_") {
-            cmd.env_remove(name);
-        }
-    }
-    cmd.env_remove("RUST_LOG");
-    cmd.stdin(Stdio::null());
-    cmd
-}
-
-/// A running `idem gateway` process; SIGKILLed on drop.
-struct GatewayProc {
-    child: Child,
-    addr: SocketAddr,
-    log: PathBuf,
-}
-
-impl GatewayProc {
-    /// Starts `idem gateway` with `args` (plus `--listen`) and waits until
-    /// `/_idem/health` answers.
-    async fn start(dir: &Path, name: &str, args: &[&str]) -> Self {
-        Self::start_with(dir, name, args, |_| {}).await
-    }
-
-    async fn start_with(
-        dir: &Path,
-        name: &str,
-        args: &[&str],
-        tweak: impl FnOnce(&mut Command),
-    ) -> Self {
-        let addr = free_addr();
-        let log = dir.join(format!("{name}.log"));
-        let mut cmd = idem();
-        cmd.arg("gateway")
-            .arg("--listen")
-            .arg(addr.to_string())
-            .args(args)
-            .current_dir(dir)
-            .stdout(Stdio::null())
-            .stderr(File::create(&log).unwrap());
-        tweak(&mut cmd);
-        let child = cmd.spawn().expect("spawn idem gateway");
-        let mut gw = GatewayProc { child, addr, log };
-        gw.wait_healthy().await;
-        gw
-    }
-
-    async fn wait_healthy(&mut self) {
-        let c = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("gateway exited early ({status}):\n{}", self.logs());
-            }
-            if let Ok(r) = c.get(self.url("/_idem/health")).send().await {
-                if r.status() == 200 {
-                    return;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "gateway not healthy in time:\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn pid(&self) -> String {
-        self.child.id().to_string()
-    }
-
-    /// SIGKILL: no chance to clean up.
-    fn kill9(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-
-    fn signal(&self, sig: &str) {
-        let ok = Command::new("kill")
-            .args([sig, &self.pid()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "kill {sig} failed");
-    }
-
-    /// Waits for the process to exit by itself.
-    async fn wait_exit(&mut self, bound: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + bound;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "gateway did not exit within {bound:?}:\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-impl Drop for GatewayProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -265,15 +141,21 @@ fn sqlite_url(dir: &Path) -> String {
     format!("sqlite://{}", dir.join("idem.db").display())
 }
 
+/// What the SQLite tests start from: the upstream, a temporary folder, the
+/// store URL of `idem.db` in it, and a client.
+async fn sqlite_setup() -> (Upstream, tempfile::TempDir, String, reqwest::Client) {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite_url(dir.path());
+    (up, dir, store, reqwest::Client::new())
+}
+
 // ------------------------------------------------------------------- tests
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_results_survive_sigkill_and_restart() {
-    let up = Upstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite_url(dir.path());
+    let (up, dir, store, c) = sqlite_setup().await;
     let args = ["--upstream", &up.url, "--store", &store];
-    let c = reqwest::Client::new();
 
     let mut a = GatewayProc::start(dir.path(), "a", &args).await;
     let first = post_key(&c, &a.url("/orders"), "survive-1").await;
@@ -295,9 +177,7 @@ async fn sqlite_results_survive_sigkill_and_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b1_crash_after_the_claim_blocks_retries_only_for_the_lease() {
-    let up = Upstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite_url(dir.path());
+    let (up, dir, store, c) = sqlite_setup().await;
     let args = [
         "--upstream",
         &up.url,
@@ -308,7 +188,6 @@ async fn b1_crash_after_the_claim_blocks_retries_only_for_the_lease() {
         "--ttl",
         "1h",
     ];
-    let c = reqwest::Client::new();
     let mut a = GatewayProc::start(dir.path(), "a", &args).await;
     // The survivor runs beside A on the same file, so the retries below do
     // not depend on how fast a process restarts.
@@ -325,14 +204,7 @@ async fn b1_crash_after_the_claim_blocks_retries_only_for_the_lease() {
                 .await
         }
     });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while up.hits() == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the claim never reached the upstream"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    up.wait_for_hit().await;
     a.kill9();
     let killed = Instant::now();
     assert!(
@@ -364,13 +236,10 @@ async fn b1_crash_after_the_claim_blocks_retries_only_for_the_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateway_processes_on_one_sqlite_file_run_a_key_once() {
-    let up = Upstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite_url(dir.path());
+    let (up, dir, store, c) = sqlite_setup().await;
     let args = ["--upstream", &up.url, "--store", &store];
     let a = GatewayProc::start(dir.path(), "a", &args).await;
     let b = GatewayProc::start(dir.path(), "b", &args).await;
-    let c = reqwest::Client::new();
     let mut tasks = Vec::new();
     for i in 0..20 {
         let url = if i % 2 == 0 {
@@ -409,22 +278,15 @@ async fn two_gateway_processes_on_one_sqlite_file_run_a_key_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_the_in_flight_request_finish_and_be_stored() {
-    let up = Upstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let store = sqlite_url(dir.path());
+    let (up, dir, store, c) = sqlite_setup().await;
     let args = ["--upstream", &up.url, "--store", &store];
-    let c = reqwest::Client::new();
     let mut a = GatewayProc::start(dir.path(), "a", &args).await;
     let url = a.url("/slow?ms=1500");
     let inflight = tokio::spawn({
         let c = c.clone();
         async move { post_key(&c, &url, "term-1").await }
     });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while up.hits() == 0 {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    up.wait_for_hit().await;
     a.signal("-TERM");
     let r = inflight.await.unwrap();
     assert_eq!(r.status, 200, "{r:?}\n{}", a.logs());

@@ -12,6 +12,14 @@ use idem_core::MemoryStore;
 use reqwest::header::{HeaderMap, HeaderValue};
 use tokio::io::AsyncWriteExt;
 
+/// Two copies of one keyed POST to `url`, the second sent `gap` after the first.
+async fn two_copies(c: &reqwest::Client, url: &str, k: &str, gap: Duration) -> (Got, Got) {
+    tokio::join!(post(c, url, Some(k), "{}"), async {
+        tokio::time::sleep(gap).await;
+        post(c, url, Some(k), "{}").await
+    })
+}
+
 fn assert_in_flight(r: &Got) {
     assert_eq!(r.status, 409, "{}", r.text());
     assert_eq!(r.problem_type(), "urn:idem:problem:in-flight");
@@ -25,9 +33,7 @@ fn assert_in_flight(r: &Got) {
 
 #[tokio::test]
 async fn fifty_concurrent_duplicates_execute_once() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("fifty");
     let url = gw.url("/slow?ms=300");
     let mut tasks = Vec::new();
@@ -70,15 +76,10 @@ async fn fifty_concurrent_duplicates_execute_once() {
 
 #[tokio::test]
 async fn a1_two_concurrent_copies_run_once_and_the_other_gets_409() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("a1");
     let url = gw.url("/slow?ms=500");
-    let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        post(&c, &url, Some(&k), "{}").await
-    });
+    let (a, b) = two_copies(&c, &url, &k, Duration::from_millis(100)).await;
     assert_eq!(a.status, 200);
     assert!(!a.replayed());
     assert_in_flight(&b);
@@ -87,15 +88,10 @@ async fn a1_two_concurrent_copies_run_once_and_the_other_gets_409() {
 
 #[tokio::test]
 async fn a1_in_wait_mode_the_duplicate_gets_the_replay() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.layer.wait = Duration::from_secs(3)).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.layer.wait = Duration::from_secs(3)).await;
     let k = key("a1-wait");
     let url = gw.url("/slow?ms=500");
-    let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        post(&c, &url, Some(&k), "{}").await
-    });
+    let (a, b) = two_copies(&c, &url, &k, Duration::from_millis(100)).await;
     assert_eq!(
         (a.status, b.status),
         (200, 200),
@@ -111,15 +107,10 @@ async fn a1_in_wait_mode_the_duplicate_gets_the_replay() {
 
 #[tokio::test]
 async fn a2_duplicate_during_a_three_second_call_gets_409() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("a2");
     let url = gw.url("/slow?ms=3000");
-    let (a, b) = tokio::join!(post(&c, &url, Some(&k), "{}"), async {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        post(&c, &url, Some(&k), "{}").await
-    });
+    let (a, b) = two_copies(&c, &url, &k, Duration::from_secs(1)).await;
     assert_eq!(a.status, 200);
     assert_in_flight(&b);
     assert_eq!(up.hits(), 1);
@@ -127,9 +118,7 @@ async fn a2_duplicate_during_a_three_second_call_gets_409() {
 
 #[tokio::test]
 async fn d1_replay_keeps_status_location_etag_cookies_and_body() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("d1");
     let first = post(&c, &gw.url("/orders"), Some(&k), r#"{"item":"book"}"#).await;
     assert_eq!(first.status, 201);
@@ -152,9 +141,7 @@ async fn d1_replay_keeps_status_location_etag_cookies_and_body() {
 
 #[tokio::test]
 async fn binary_bodies_replay_byte_for_byte() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("bin");
     let first = post(&c, &gw.url("/binary"), Some(&k), "{}").await;
     assert_eq!(first.status, 200);
@@ -174,10 +161,8 @@ async fn binary_bodies_replay_byte_for_byte() {
 
 #[tokio::test]
 async fn b3_chunked_upstream_response_is_stored() {
-    let up = upstream().await;
     let mem = MemoryStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
-    let c = client();
+    let Rig { up, gw, c } = rig_with(mem.clone(), |_| {}).await;
     let k = key("b3");
     let first = post(&c, &gw.url("/chunked"), Some(&k), "{}").await;
     assert_eq!(first.status, 200);
@@ -197,9 +182,7 @@ async fn b3_chunked_upstream_response_is_stored() {
 
 #[tokio::test]
 async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("c1");
     let a = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
     assert_eq!(a.status, 500);
@@ -220,8 +203,7 @@ async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
 
 #[tokio::test]
 async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_runs_once_more() {
-    let raw = raw_upstream(RawAction::CloseWithoutAnswer).await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| {
+    let (raw, gw) = raw_rig(RawAction::CloseWithoutAnswer, |c| {
         c.layer.lease = Duration::from_secs(1);
     })
     .await;
@@ -248,13 +230,10 @@ async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_
 #[tokio::test]
 async fn reset_mid_response_headers_is_a_held_502() {
     // The upstream starts an answer and closes the socket half-way through its head.
-    let raw = raw_upstream(RawAction::WriteAndClose(
-        b"HTTP/1.1 200 OK\r\nContent-Ty".to_vec(),
-    ))
-    .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| {
-        c.layer.lease = Duration::from_secs(5)
-    })
+    let (raw, gw) = raw_rig(
+        RawAction::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Ty".to_vec()),
+        |c| c.layer.lease = Duration::from_secs(5),
+    )
     .await;
     let c = client();
     let k = key("reset");
@@ -268,13 +247,10 @@ async fn reset_mid_response_headers_is_a_held_502() {
 #[tokio::test]
 async fn reset_mid_response_body_holds_the_key() {
     // Headers and part of the body arrive, then the upstream closes the socket.
-    let raw = raw_upstream(RawAction::WriteAndClose(
-        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial".to_vec(),
-    ))
-    .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| {
-        c.layer.lease = Duration::from_secs(5)
-    })
+    let (raw, gw) = raw_rig(
+        RawAction::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial".to_vec()),
+        |c| c.layer.lease = Duration::from_secs(5),
+    )
     .await;
     let c = client();
     let k = key("reset-body");
@@ -306,11 +282,7 @@ async fn reset_mid_response_body_past_the_retention_limit_truncates_and_complete
     // first caller sees a truncated body and a duplicate gets 410.
     let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n".to_vec();
     answer.extend_from_slice(&[b'x'; 40]);
-    let raw = raw_upstream(RawAction::WriteAndClose(answer)).await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| {
-        c.layer.retention_limit = 16
-    })
-    .await;
+    let (raw, gw) = raw_rig(RawAction::WriteAndClose(answer), |c| c.layer.retention_limit = 16).await;
     let c = client();
     let k = key("reset-big");
     let resp = c
@@ -391,9 +363,7 @@ async fn scope_header_flag_keeps_api_keys_apart() {
 
 #[tokio::test]
 async fn c2_406_is_replayed_as_406_with_its_body() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("c2");
     let a = post(&c, &gw.url("/status/406"), Some(&k), "{}").await;
     assert_eq!(a.status, 406);
@@ -413,18 +383,7 @@ async fn d2_client_gone_before_the_answer_still_stores_it() {
     let up = upstream().await;
     let gw = gateway(&up.url(), |_| {}).await;
     let k = key("d2");
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(150))
-        .build()
-        .unwrap();
-    let gone = impatient
-        .post(gw.url("/slow?ms=500"))
-        .header("idempotency-key", &k)
-        .header("content-type", "application/json")
-        .body("{}")
-        .send()
-        .await;
-    assert!(gone.is_err(), "the client was meant to give up");
+    give_up_on(&gw.url("/slow?ms=500"), &k, 150).await;
     // The upstream call goes on and its result is stored: retries see 409
     // until it lands, then the replay.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -467,10 +426,8 @@ async fn d2_client_gone_mid_request_body_never_reaches_the_upstream() {
 
 #[tokio::test]
 async fn e1_requests_without_a_key_pass_through_and_blank_keys_are_400() {
-    let up = upstream().await;
     let mem = MemoryStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
-    let c = client();
+    let Rig { up, gw, c } = rig_with(mem.clone(), |_| {}).await;
     let a = post(&c, &gw.url("/orders"), None, "{}").await;
     let b = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!((a.status, b.status), (201, 201));
@@ -487,9 +444,7 @@ async fn e1_requests_without_a_key_pass_through_and_blank_keys_are_400() {
 
 #[tokio::test]
 async fn malformed_keys_are_400_and_never_reach_the_upstream() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     for bad in ["\"abc", "\"a\"b\"", &"x".repeat(256), "a\tb"] {
         let r = post(&c, &gw.url("/orders"), Some(bad), "{}").await;
         assert_eq!(r.status, 400, "key {bad:?}: {}", r.text());
@@ -532,9 +487,7 @@ async fn malformed_keys_are_400_and_never_reach_the_upstream() {
 
 #[tokio::test]
 async fn e2_same_key_on_another_path_body_or_method_is_422() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("e2");
     let a = post(&c, &gw.url("/orders"), Some(&k), r#"{"n":1}"#).await;
     assert_eq!(a.status, 201);
@@ -543,14 +496,15 @@ async fn e2_same_key_on_another_path_body_or_method_is_422() {
     assert_eq!(other_path.problem_type(), "urn:idem:problem:key-mismatch");
     let other_body = post(&c, &gw.url("/orders"), Some(&k), r#"{"n":2}"#).await;
     assert_eq!(other_body.status, 422);
-    let other_method = read(
-        c.patch(gw.url("/orders"))
-            .header("idempotency-key", &k)
-            .header("content-type", "application/json")
-            .body(r#"{"n":1}"#)
-            .send()
-            .await
-            .unwrap(),
+    let other_method = send(
+        &c,
+        Method::PATCH,
+        &gw.url("/orders"),
+        &[
+            ("idempotency-key", &k),
+            ("content-type", "application/json"),
+        ],
+        r#"{"n":1}"#,
     )
     .await;
     assert_eq!(other_method.status, 422);
@@ -571,9 +525,7 @@ async fn e2_same_key_on_another_path_body_or_method_is_422() {
 
 #[tokio::test]
 async fn e3_callers_with_different_credentials_do_not_share_keys() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("e3");
     let send = |auth: &'static str| {
         let c = c.clone();
@@ -608,13 +560,11 @@ async fn e3_callers_with_different_credentials_do_not_share_keys() {
 
 #[tokio::test]
 async fn f1_after_the_ttl_the_same_key_runs_again() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| {
+    let Rig { up, gw, c } = rig(|c| {
         c.layer.ttl = Duration::from_secs(1);
         c.layer.lease = Duration::from_secs(1);
     })
     .await;
-    let c = client();
     let k = key("f1");
     assert_eq!(
         post(&c, &gw.url("/orders"), Some(&k), "{}").await.status,
@@ -657,13 +607,11 @@ async fn upstream_down_is_502_released_and_the_retry_runs_once_it_is_up() {
 
 #[tokio::test]
 async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| {
+    let Rig { up, gw, c } = rig(|c| {
         c.upstream_timeout = Duration::from_millis(300);
         c.layer.lease = Duration::from_secs(1);
     })
     .await;
-    let c = client();
     let k = key("timeout");
     let url = gw.url("/slow-first?ms=3000");
     let t0 = Instant::now();
@@ -684,11 +632,8 @@ async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
 
 #[tokio::test]
 async fn store_unavailable_is_503_and_the_upstream_is_not_called() {
-    let up = upstream().await;
-    let store = SwitchStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
-    store.set(Mode::Unavailable);
+    let (Rig { up, gw, c }, store) = faulty_rig(|_| {}).await;
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = post(&c, &gw.url("/orders"), Some(&key("s503")), "{}").await;
     assert_eq!(r.status, 503, "{}", r.text());
     assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
@@ -697,10 +642,10 @@ async fn store_unavailable_is_503_and_the_upstream_is_not_called() {
         0,
         "the upstream was called although the store failed"
     );
-    assert!(store.begins.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    assert!(store.calls(Op::Begin) >= 1);
     // Unguarded traffic does not need the store.
     assert_eq!(post(&c, &gw.url("/orders"), None, "{}").await.status, 201);
-    store.set(Mode::Healthy);
+    store.clear_all();
     assert_eq!(
         post(&c, &gw.url("/orders"), Some(&key("s503-ok")), "{}")
             .await
@@ -712,19 +657,16 @@ async fn store_unavailable_is_503_and_the_upstream_is_not_called() {
 
 #[tokio::test]
 async fn corrupt_record_is_500_and_the_gateway_keeps_serving() {
-    let up = upstream().await;
-    let store = SwitchStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
-    store.set(Mode::Corrupt);
+    let (Rig { up, gw, c }, store) = faulty_rig(|_| {}).await;
+    store.set_each(&BEGIN_AND_GET, Fault::Corrupt(UNDECODABLE));
     let r = post(&c, &gw.url("/orders"), Some(&key("corrupt")), "{}").await;
     assert_eq!(r.status, 500, "{}", r.text());
     assert_eq!(r.problem_type(), "urn:idem:problem:corrupt-record");
     assert_eq!(up.hits(), 0);
-    store.set(Mode::Healthy);
+    store.clear_all();
     let r = post(&c, &gw.url("/orders"), Some(&key("after-corrupt")), "{}").await;
     assert_eq!(r.status, 201);
-    let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let r = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(r.status, 200);
 }
 
@@ -780,16 +722,14 @@ async fn sqlite_corrupt_record_is_500_and_a_broken_store_is_503() {
         2,
         "the upstream was called although the store failed"
     );
-    let r = read(c.get(url("/_idem/health")).send().await.unwrap()).await;
+    let r = fetch(&c, &url("/_idem/health")).await;
     assert_eq!(r.status, 503, "{}", r.text());
     serve.abort();
 }
 
 #[tokio::test]
 async fn response_over_the_retention_limit_reaches_the_first_caller_only() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.layer.retention_limit = 1024).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.layer.retention_limit = 1024).await;
     let k = key("large");
     let a = post(&c, &gw.url("/large?bytes=50000"), Some(&k), "{}").await;
     assert_eq!(a.status, 200);
@@ -806,18 +746,11 @@ async fn response_over_the_retention_limit_reaches_the_first_caller_only() {
 
 #[tokio::test]
 async fn require_key_refuses_guarded_requests_without_one() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.layer.require_key = true).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.layer.require_key = true).await;
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!(r.status, 400);
     assert_eq!(r.problem_type(), "urn:idem:problem:key-required");
-    assert_eq!(
-        read(c.get(gw.url("/items")).send().await.unwrap())
-            .await
-            .status,
-        200
-    );
+    assert_eq!(fetch(&c, &gw.url("/items")).await.status, 200);
     assert_eq!(up.hits(), 1);
 }
 

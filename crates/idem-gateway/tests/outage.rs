@@ -5,124 +5,15 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use axum::routing;
 use axum::Router;
 use common::*;
-use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, MemoryStore, Phase, Record, RecordState, Scope,
-    Store, StoreError, StoredResponse,
-};
+use idem_core::{IdempotencyKey, RecordState, Scope, Store};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// What [`SaveFaults::complete`] does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Save {
-    Ok = 0,
-    /// Never answers (the gateway's `--store-timeout` cuts it off).
-    Hang = 1,
-    /// Fails at once as if the connection dropped.
-    Fail = 2,
-}
-
-/// A memory store whose `complete` hangs or fails on demand, counting
-/// `complete` and `release` calls.
-#[derive(Debug, Clone)]
-struct SaveFaults {
-    inner: MemoryStore,
-    save: Arc<AtomicU8>,
-    completes: Arc<AtomicUsize>,
-    releases: Arc<AtomicUsize>,
-}
-
-impl SaveFaults {
-    fn new(save: Save) -> Self {
-        Self {
-            inner: MemoryStore::new(),
-            save: Arc::new(AtomicU8::new(save as u8)),
-            completes: Arc::new(AtomicUsize::new(0)),
-            releases: Arc::new(AtomicUsize::new(0)),
-        }
-    }
-}
-
-#[derive(Debug)]
-struct Dropped;
-impl std::fmt::Display for Dropped {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("connection reset (injected)")
-    }
-}
-impl std::error::Error for Dropped {}
-
-#[async_trait]
-impl Store for SaveFaults {
-    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
-        self.inner.begin(req).await
-    }
-    async fn complete(
-        &self,
-        lease: &Lease,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.completes.fetch_add(1, Ordering::SeqCst);
-        match self.save.load(Ordering::SeqCst) {
-            1 => std::future::pending().await,
-            2 => Err(StoreError::unavailable(Phase::Complete, Dropped)),
-            _ => self.inner.complete(lease, response, ttl).await,
-        }
-    }
-    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.releases.fetch_add(1, Ordering::SeqCst);
-        self.inner.release(lease).await
-    }
-    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
-        self.inner.extend(lease, lease_for).await
-    }
-    async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        self.inner.get(scope, key).await
-    }
-    async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.inner.delete(scope, key).await
-    }
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.inner.purge_expired().await
-    }
-}
-
-/// A store whose every call hangs.
-#[derive(Debug)]
-struct Hung;
-
-#[async_trait]
-impl Store for Hung {
-    async fn begin(&self, _: &BeginRequest) -> Result<Begin, StoreError> {
-        std::future::pending().await
-    }
-    async fn complete(&self, _: &Lease, _: &StoredResponse, _: Duration) -> Result<(), StoreError> {
-        std::future::pending().await
-    }
-    async fn release(&self, _: &Lease) -> Result<(), StoreError> {
-        std::future::pending().await
-    }
-    async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, StoreError> {
-        std::future::pending().await
-    }
-    async fn get(&self, _: &Scope, _: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        std::future::pending().await
-    }
-    async fn delete(&self, _: &Scope, _: &IdempotencyKey) -> Result<bool, StoreError> {
-        std::future::pending().await
-    }
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        std::future::pending().await
-    }
-}
 
 fn in_flight(r: &Got) -> bool {
     r.status == 409
@@ -132,14 +23,13 @@ fn in_flight(r: &Got) -> bool {
 
 #[tokio::test]
 async fn a1_a_store_timeout_while_saving_never_frees_the_key() {
-    let up = upstream().await;
-    let store = SaveFaults::new(Save::Hang);
-    let mut cfg = config(&up.url());
-    cfg.store_options.timeout = Duration::from_millis(300);
-    cfg.layer.lease = Duration::from_secs(2);
-    cfg.layer.ttl = Duration::from_secs(60);
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.store_options.timeout = Duration::from_millis(300);
+        cfg.layer.lease = Duration::from_secs(2);
+        cfg.layer.ttl = Duration::from_secs(60);
+    })
+    .await;
+    store.set(Op::Complete, Fault::Hang);
     let k = key("a1-save-timeout");
 
     let started = Instant::now();
@@ -153,7 +43,7 @@ async fn a1_a_store_timeout_while_saving_never_frees_the_key() {
         "the hung save was not cut off: {:?}",
         started.elapsed()
     );
-    assert!(store.completes.load(Ordering::SeqCst) >= 1);
+    assert!(store.calls(Op::Complete) >= 1);
     assert_eq!(up.hits(), 1);
 
     // While the store hangs, every duplicate is told to wait — also past the
@@ -172,9 +62,9 @@ async fn a1_a_store_timeout_while_saving_never_frees_the_key() {
         r.text()
     );
     assert_eq!(up.hits(), 1, "the key was freed after a failed save");
-    assert_eq!(store.releases.load(Ordering::SeqCst), 0);
+    assert_eq!(store.calls(Op::Release), 0);
     let rec = store
-        .inner
+        .inner()
         .get(&Scope::anonymous(), &IdempotencyKey::new(&k).unwrap())
         .await
         .unwrap()
@@ -186,7 +76,7 @@ async fn a1_a_store_timeout_while_saving_never_frees_the_key() {
 
     // The store recovers: the retried save lands, and the retry is the
     // replay of the first run — with its body — never a second execution.
-    store.save.store(Save::Ok as u8, Ordering::SeqCst);
+    store.clear(Op::Complete);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
@@ -207,7 +97,7 @@ async fn a_hung_store_answers_503_within_the_store_timeout() {
     let up = upstream().await;
     let mut cfg = config(&up.url());
     cfg.store_options.timeout = Duration::from_millis(400);
-    let gw = gateway_with(cfg, Arc::new(Hung)).await;
+    let gw = gateway_with(cfg, Arc::new(FaultyStore::hung())).await;
     let c = client();
     let started = Instant::now();
     let r = post(&c, &gw.url("/orders"), Some(&key("hung")), "{}").await;
@@ -225,11 +115,8 @@ async fn a_hung_store_answers_503_within_the_store_timeout() {
 
 #[tokio::test]
 async fn fail_closed_is_the_default_and_service_resumes_when_the_store_returns() {
-    let up = upstream().await;
-    let store = SwitchStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
-    store.set(Mode::Unavailable);
+    let (Rig { up, gw, c }, store) = faulty_rig(|_| {}).await;
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     for i in 0..5 {
         let r = post(
             &c,
@@ -247,41 +134,34 @@ async fn fail_closed_is_the_default_and_service_resumes_when_the_store_returns()
         assert_eq!(r.header("idempotency-status"), None);
     }
     assert_eq!(up.hits(), 0, "fail-closed reached the upstream");
-    let h = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let h = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(h.status, 503);
-    store.set(Mode::Healthy);
+    store.clear_all();
     let k = key("back");
-    assert_eq!(
-        post(&c, &gw.url("/orders"), Some(&k), "{}").await.status,
-        201
-    );
-    assert!(post(&c, &gw.url("/orders"), Some(&k), "{}")
-        .await
-        .replayed());
+    runs_then_replays(&c, &gw.url("/orders"), &k).await;
     assert_eq!(up.hits(), 1);
 }
 
 #[tokio::test]
 async fn fail_open_forwards_unprotected_when_begin_fails() {
-    let up = upstream().await;
-    let store = SwitchStore::new();
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
-    store.set(Mode::Unavailable);
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+    })
+    .await;
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
 
     let k = key("open");
     let body = r#"{"amount": 10}"#;
-    let r = read(
-        c.post(gw.url("/echo?x=1"))
-            .header("idempotency-key", &k)
-            .header("content-type", "application/json")
-            .header("authorization", "Bearer a")
-            .body(body)
-            .send()
-            .await
-            .unwrap(),
+    let r = send(
+        &c,
+        Method::POST,
+        &gw.url("/echo?x=1"),
+        &[
+            ("idempotency-key", &k),
+            ("content-type", "application/json"),
+            ("authorization", "Bearer a"),
+        ],
+        body,
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.text());
@@ -311,29 +191,25 @@ async fn fail_open_forwards_unprotected_when_begin_fails() {
     // Unguarded requests are not marked; the store's own health is still 503.
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!((r.status, r.header("idempotency-status")), (201, None));
-    let h = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let h = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(h.status, 503);
 
     // Back to normal when the store is.
-    store.set(Mode::Healthy);
+    store.clear_all();
     let k = key("open-healthy");
-    let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
-    assert_eq!((r.status, r.header("idempotency-status")), (201, None));
-    assert!(post(&c, &gw.url("/orders"), Some(&k), "{}")
-        .await
-        .replayed());
+    let r = runs_then_replays(&c, &gw.url("/orders"), &k).await;
+    assert_eq!(r.header("idempotency-status"), None);
     assert_eq!(up.hits(), 4);
 }
 
 #[tokio::test]
 async fn fail_open_never_reruns_a_request_whose_result_could_not_be_saved() {
-    let up = upstream().await;
-    let store = SaveFaults::new(Save::Fail);
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    cfg.layer.lease = Duration::from_secs(5);
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+        cfg.layer.lease = Duration::from_secs(5);
+    })
+    .await;
+    store.set(Op::Complete, Fault::Unavailable);
     let k = key("open-save");
     let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
@@ -342,23 +218,21 @@ async fn fail_open_never_reruns_a_request_whose_result_could_not_be_saved() {
     let dup = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
     assert!(in_flight(&dup), "{} {}", dup.status, dup.text());
     assert_eq!(up.hits(), 1);
-    assert_eq!(store.releases.load(Ordering::SeqCst), 0);
+    assert_eq!(store.calls(Op::Release), 0);
 }
 
 #[tokio::test]
 async fn fail_open_refuses_a_key_this_gateway_saw_moments_ago() {
-    let up = upstream().await;
-    let store = SwitchStore::new();
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+    })
+    .await;
     let k = key("seen");
     assert_eq!(
         post(&c, &gw.url("/orders"), Some(&k), "{}").await.status,
         201
     );
-    store.set(Mode::Unavailable);
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     // Rerunning it would certainly be a second execution: fail closed.
     let r = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
     assert_eq!(r.status, 503, "{}", r.text());
@@ -413,14 +287,12 @@ async fn fail_open_passes_an_upstream_503_through_without_a_second_call() {
 
 #[tokio::test]
 async fn fail_open_keeps_the_body_limit_and_bad_keys() {
-    let up = upstream().await;
-    let store = SwitchStore::new();
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    cfg.layer.max_body = 16;
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
-    store.set(Mode::Unavailable);
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+        cfg.layer.max_body = 16;
+    })
+    .await;
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     // Over the limit, by Content-Length and by a chunked body.
     let r = post(&c, &gw.url("/orders"), Some(&key("big")), &"x".repeat(64)).await;
     assert_eq!(r.status, 413, "{}", r.text());

@@ -13,19 +13,18 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
 async fn forwards_method_path_query_headers_and_body() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |_| {}).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("fwd");
-    let r = read(
-        c.post(gw.url("/echo?a=1&b=%20x"))
-            .header("idempotency-key", &k)
-            .header("x-custom", "one")
-            .header("content-type", "text/plain")
-            .body("hello body")
-            .send()
-            .await
-            .unwrap(),
+    let r = send(
+        &c,
+        Method::POST,
+        &gw.url("/echo?a=1&b=%20x"),
+        &[
+            ("idempotency-key", &k),
+            ("x-custom", "one"),
+            ("content-type", "text/plain"),
+        ],
+        "hello body",
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.text());
@@ -45,12 +44,12 @@ async fn upstream_path_prefix_is_prepended() {
     // The upstream's routes live at /, so a prefix of "/" is a no-op and
     // a real prefix must show up in what the upstream sees.
     let gw = gateway(&format!("{}/", up.url()), |_| {}).await;
-    let r = read(client().get(gw.url("/items?x=1")).send().await.unwrap()).await;
+    let r = fetch(&client(), &gw.url("/items?x=1")).await;
     assert_eq!(r.status, 200);
     assert_eq!(up.last_seen().uri.to_string(), "/items?x=1");
 
     let gw2 = gateway(&format!("{}/api", up.url()), |_| {}).await;
-    let r = read(client().get(gw2.url("/items")).send().await.unwrap()).await;
+    let r = fetch(&client(), &gw2.url("/items")).await;
     assert_eq!(r.status, 404, "the upstream has no /api/items");
     assert_eq!(up.last_seen().uri.path(), "/api/items");
 }
@@ -77,7 +76,7 @@ async fn x_forwarded_for_is_appended_and_host_rewritten() {
     assert_eq!(seen.headers["x-forwarded-proto"], "http");
 
     // Without an earlier proxy, the list is just the client.
-    read(client().get(gw.url("/echo")).send().await.unwrap()).await;
+    fetch(&client(), &gw.url("/echo")).await;
     assert_eq!(up.last_seen().headers["x-forwarded-for"], "127.0.0.1");
 }
 
@@ -151,8 +150,9 @@ async fn chunked_request_body_is_forwarded_without_transfer_encoding_leaking() {
 
 #[tokio::test]
 async fn hop_by_hop_response_fields_are_removed() {
-    let raw = raw_upstream(RawAction::WriteAndClose(
-        b"HTTP/1.1 200 OK\r\n\
+    let (_raw, gw) = raw_rig(
+        RawAction::WriteAndClose(
+            b"HTTP/1.1 200 OK\r\n\
           Connection: close, X-Hop-Resp\r\n\
           X-Hop-Resp: 1\r\n\
           Keep-Alive: timeout=5\r\n\
@@ -162,10 +162,11 @@ async fn hop_by_hop_response_fields_are_removed() {
           Content-Length: 2\r\n\
           \r\n\
           ok"
-        .to_vec(),
-    ))
+            .to_vec(),
+        ),
+        |_| {},
+    )
     .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |_| {}).await;
     for k in [None, Some(key("hop-resp"))] {
         let mut req = client().post(gw.url("/x")).body("b");
         if let Some(k) = &k {
@@ -189,10 +190,8 @@ async fn hop_by_hop_response_fields_are_removed() {
 
 #[tokio::test]
 async fn get_passes_through_unguarded_even_with_a_key() {
-    let up = upstream().await;
     let mem = MemoryStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(mem.clone())).await;
-    let c = client();
+    let Rig { up, gw, c } = rig_with(mem.clone(), |_| {}).await;
     let k = key("get");
     for i in 1..=2 {
         let r = read(
@@ -279,11 +278,8 @@ async fn unguarded_responses_stream_chunk_by_chunk() {
 
 #[tokio::test]
 async fn health_endpoint_reports_the_store_and_is_never_proxied() {
-    let up = upstream().await;
-    let store = SwitchStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
-    let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    let (Rig { up, gw, c }, store) = faulty_rig(|_| {}).await;
+    let r = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(r.status, 200);
     assert_eq!(
         r.header("content-type").as_deref(),
@@ -294,7 +290,7 @@ async fn health_endpoint_reports_the_store_and_is_never_proxied() {
         serde_json::json!({"status": "ok", "store": "memory"})
     );
 
-    let r = read(c.get(gw.url("/_idem/nope")).send().await.unwrap()).await;
+    let r = fetch(&c, &gw.url("/_idem/nope")).await;
     assert_eq!(r.status, 404);
     assert_eq!(
         r.header("content-type").as_deref(),
@@ -313,12 +309,12 @@ async fn health_endpoint_reports_the_store_and_is_never_proxied() {
     assert_eq!(r.status, 405);
     assert_eq!(r.header("allow").as_deref(), Some("GET, HEAD"));
 
-    store.set(Mode::Unavailable);
-    let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
+    let r = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(r.status, 503);
     assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
-    store.set(Mode::Healthy);
-    let r = read(c.get(gw.url("/_idem/health")).send().await.unwrap()).await;
+    store.clear_all();
+    let r = fetch(&c, &gw.url("/_idem/health")).await;
     assert_eq!(r.status, 200);
 
     assert_eq!(up.hits(), 0, "an /_idem/ path reached the upstream");
@@ -408,18 +404,7 @@ async fn shutdown_waits_for_the_run_of_a_client_that_left() {
     let k = key("left");
     // The client gives up long before the 1 s upstream call ends; its
     // connection closes, the run goes on in the layer's spawned task.
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(200))
-        .build()
-        .unwrap();
-    let gone = impatient
-        .post(gw.url("/slow?ms=1000"))
-        .header("idempotency-key", &k)
-        .header("content-type", "application/json")
-        .body("{}")
-        .send()
-        .await;
-    assert!(gone.is_err(), "the client was meant to give up");
+    give_up_on(&gw.url("/slow?ms=1000"), &k, 200).await;
     assert_eq!(up.hits(), 1);
     // Let the gateway notice the closed connection: no connection is left
     // for the graceful shutdown to wait on.
@@ -469,10 +454,7 @@ async fn shutdown_gives_up_on_a_left_run_after_the_grace() {
         c
     };
     let mut gw = gateway_with(gw_cfg, Arc::new(MemoryStore::new())).await;
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
+    let impatient = impatient(100);
     let gone = impatient
         .post(gw.url("/slow?ms=5000"))
         .header("idempotency-key", key("grace"))
@@ -601,11 +583,14 @@ async fn open_store_schemes() {
 /// kept-alive connection.
 #[tokio::test]
 async fn http10_upstream_answers_client_in_http11() {
-    let raw = raw_upstream(RawAction::WriteAndClose(
-        b"HTTP/1.0 201 Created\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok".to_vec(),
-    ))
+    let (raw, gw) = raw_rig(
+        RawAction::WriteAndClose(
+            b"HTTP/1.0 201 Created\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
+                .to_vec(),
+        ),
+        |_| {},
+    )
     .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |_| {}).await;
     let k = key("http10");
     let mut sock = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     let request = format!(

@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -47,9 +46,7 @@ fn assert_problem(r: &Got, status: u16, kind: &str) {
 
 #[tokio::test]
 async fn issuing_a_token_answers_201_json() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.layer.token_ttl = Duration::from_secs(600)).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.layer.token_ttl = Duration::from_secs(600)).await;
     let r = issue(&c, &gw, None).await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(
@@ -66,7 +63,7 @@ async fn issuing_a_token_answers_201_json() {
     let again = token(&c, &gw, None).await;
     assert_ne!(again, t);
     // Only POST.
-    let get = read(c.get(gw.url("/_idem/tokens")).send().await.unwrap()).await;
+    let get = fetch(&c, &gw.url("/_idem/tokens")).await;
     assert_problem(&get, 405, "method-not-allowed");
     assert_eq!(get.header("allow").as_deref(), Some("POST"));
     assert_eq!(up.hits(), 0, "never proxied");
@@ -74,9 +71,7 @@ async fn issuing_a_token_answers_201_json() {
 
 #[tokio::test]
 async fn i1_two_concurrent_submits_with_one_token_run_once() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.layer.require_token = vec!["/slow".into()]).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.layer.require_token = vec!["/slow".into()]).await;
     let t = token(&c, &gw, Some("Bearer alice")).await;
     let url = gw.url("/slow?ms=500");
     let (a, b) = tokio::join!(post_as(&c, &url, Some(&t), "Bearer alice"), async {
@@ -105,9 +100,7 @@ async fn i1_two_concurrent_submits_with_one_token_run_once() {
 
 #[tokio::test]
 async fn sixteen_concurrent_submits_with_one_token_run_once() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.layer.require_token = vec!["/slow".into()]).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.layer.require_token = vec!["/slow".into()]).await;
     let t = token(&c, &gw, None).await;
     let url = gw.url("/slow?ms=300");
     let tasks: Vec<_> = (0..16)
@@ -136,13 +129,11 @@ async fn sixteen_concurrent_submits_with_one_token_run_once() {
 
 #[tokio::test]
 async fn unknown_expired_and_foreign_tokens_are_refused_and_never_reach_upstream() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| {
+    let Rig { up, gw, c } = rig(|c| {
         c.layer.require_token = vec!["/orders".into()];
         c.layer.token_ttl = Duration::from_secs(1);
     })
     .await;
-    let c = client();
     let url = gw.url("/orders");
     // Well-formed but never issued; a plain idempotency key.
     for k in ["tok_0123456789abcdef0123456789abcdef", &key("plain")] {
@@ -171,12 +162,7 @@ async fn unknown_expired_and_foreign_tokens_are_refused_and_never_reach_upstream
 
 #[tokio::test]
 async fn a_required_route_without_a_key_is_refused() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| {
-        c.layer.require_token = vec!["/orders".into()]
-    })
-    .await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.layer.require_token = vec!["/orders".into()]).await;
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_problem(&r, 428, "token-required");
     let r = post(&c, &gw.url("/orders/7"), None, "{}").await;
@@ -186,9 +172,7 @@ async fn a_required_route_without_a_key_is_refused() {
 
 #[tokio::test]
 async fn routes_outside_the_prefixes_work_as_before() {
-    let up = upstream().await;
-    let gw = gateway(&up.url(), |c| c.layer.require_token = vec!["/slow".into()]).await;
-    let c = client();
+    let Rig { up, gw, c } = rig(|c| c.layer.require_token = vec!["/slow".into()]).await;
     // No key: passes through unguarded.
     let r = post(&c, &gw.url("/orders"), None, "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
@@ -212,33 +196,28 @@ async fn routes_outside_the_prefixes_work_as_before() {
 
 #[tokio::test]
 async fn issuing_with_the_store_down_is_503() {
-    let up = upstream().await;
-    let store = SwitchStore::new();
-    let gw = gateway_with(config(&up.url()), Arc::new(store.clone())).await;
-    let c = client();
-    store.set(Mode::Unavailable);
+    let (Rig { up: _up, gw, c }, store) = faulty_rig(|_| {}).await;
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = issue(&c, &gw, None).await;
     assert_problem(&r, 503, "store-unavailable");
-    store.set(Mode::Healthy);
+    store.clear_all();
     let r = issue(&c, &gw, None).await;
     assert_eq!(r.status, 201, "{}", r.text());
 }
 
 #[tokio::test]
 async fn a_token_route_never_fails_open() {
-    let up = upstream().await;
-    let store = SwitchStore::new();
-    let mut cfg = config(&up.url());
-    cfg.fail_open = true;
-    cfg.layer.require_token = vec!["/orders".into()];
-    let gw = gateway_with(cfg, Arc::new(store.clone())).await;
-    let c = client();
+    let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
+        cfg.fail_open = true;
+        cfg.layer.require_token = vec!["/orders".into()];
+    })
+    .await;
     let t = token(&c, &gw, None).await;
-    store.set(Mode::Unavailable);
+    store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
     let r = post(&c, &gw.url("/orders"), Some(&t), "{}").await;
     assert_problem(&r, 503, "store-unavailable");
     assert_eq!(up.hits(), 0);
-    store.set(Mode::Healthy);
+    store.clear_all();
     let r = post(&c, &gw.url("/orders"), Some(&t), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
 }

@@ -17,13 +17,12 @@ use tokio::task::JoinHandle;
 /// a hang, and the key is held (a duplicate gets 409, no second run).
 #[tokio::test]
 async fn a_stalled_response_body_fails_after_the_upstream_timeout() {
-    let raw = raw_upstream(RawAction::WriteAndStall(
+    let stall = RawAction::WriteAndStall(
         b"HTTP/1.1 201 Created\r\ncontent-type: text/plain\r\ncontent-length: 20\r\n\r\n0123456789"
             .to_vec(),
         Duration::from_secs(5),
-    ))
-    .await;
-    let gw = gateway(&format!("http://{}", raw.addr), |c| {
+    );
+    let (raw, gw) = raw_rig(stall, |c| {
         c.upstream_timeout = Duration::from_millis(500);
         c.layer.lease = Duration::from_secs(30);
     })
@@ -130,6 +129,24 @@ async fn closing_upstream(idle_close: Duration) -> ClosingUpstream {
     }
 }
 
+/// `n` sequential keyed POSTs, `gap` apart, through a gateway with
+/// `--upstream-idle-timeout idle` in front of an upstream that closes a
+/// connection idle for `upstream_idle`; the upstream and the statuses.
+async fn posts_through(
+    upstream_idle: Duration,
+    idle: Duration,
+    n: usize,
+    gap: Duration,
+) -> (ClosingUpstream, Vec<u16>) {
+    let up = closing_upstream(upstream_idle).await;
+    let gw = gateway(&format!("http://{}", up.addr), |c| {
+        c.upstream_idle_timeout = idle;
+    })
+    .await;
+    let statuses = sequential_posts(&gw, n, gap).await;
+    (up, statuses)
+}
+
 async fn sequential_posts(gw: &TestGateway, n: usize, gap: Duration) -> Vec<u16> {
     let c = client();
     let mut statuses = Vec::new();
@@ -146,12 +163,13 @@ async fn sequential_posts(gw: &TestGateway, n: usize, gap: Duration) -> Vec<u16>
 /// no 502 and no held key.
 #[tokio::test]
 async fn idle_pooled_connections_are_not_reused_past_the_idle_timeout() {
-    let up = closing_upstream(Duration::from_millis(150)).await;
-    let gw = gateway(&format!("http://{}", up.addr), |c| {
-        c.upstream_idle_timeout = Duration::from_millis(50);
-    })
+    let (up, statuses) = posts_through(
+        Duration::from_millis(150),
+        Duration::from_millis(50),
+        20,
+        Duration::from_millis(200),
+    )
     .await;
-    let statuses = sequential_posts(&gw, 20, Duration::from_millis(200)).await;
     assert!(statuses.iter().all(|&s| s == 201), "{statuses:?}");
     assert_eq!(up.answered.load(Ordering::SeqCst), 20);
     assert!(up.connections.load(Ordering::SeqCst) >= 20);
@@ -160,12 +178,13 @@ async fn idle_pooled_connections_are_not_reused_past_the_idle_timeout() {
 /// Back-to-back requests still share one pooled connection.
 #[tokio::test]
 async fn busy_connections_are_still_reused() {
-    let up = closing_upstream(Duration::from_millis(300)).await;
-    let gw = gateway(&format!("http://{}", up.addr), |c| {
-        c.upstream_idle_timeout = Duration::from_millis(100);
-    })
+    let (up, statuses) = posts_through(
+        Duration::from_millis(300),
+        Duration::from_millis(100),
+        10,
+        Duration::ZERO,
+    )
     .await;
-    let statuses = sequential_posts(&gw, 10, Duration::ZERO).await;
     assert!(statuses.iter().all(|&s| s == 201), "{statuses:?}");
     assert!(
         up.connections.load(Ordering::SeqCst) < 10,
@@ -179,11 +198,12 @@ async fn busy_connections_are_still_reused() {
 /// fails and the caller gets 502 `upstream-failed`.
 #[tokio::test]
 async fn control_a_long_idle_timeout_hits_the_race() {
-    let up = closing_upstream(Duration::from_millis(150)).await;
-    let gw = gateway(&format!("http://{}", up.addr), |c| {
-        c.upstream_idle_timeout = Duration::from_secs(30);
-    })
+    let (_up, statuses) = posts_through(
+        Duration::from_millis(150),
+        Duration::from_secs(30),
+        2,
+        Duration::from_millis(200),
+    )
     .await;
-    let statuses = sequential_posts(&gw, 2, Duration::from_millis(200)).await;
     assert_eq!(statuses, vec![201, 502]);
 }

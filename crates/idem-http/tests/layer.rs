@@ -1,7 +1,7 @@
 //! The layer in front of a real axum 0.8 server on 127.0.0.1, driven by a
 //! real HTTP/1.1 client (hyper) or a raw TCP socket. Nothing here mocks
 //! what runs: the store is the real `MemoryStore` (with a `ManualClock`
-//! where time matters); `FailingStore` wraps it to simulate an outage.
+//! where time matters); the testkit's `FaultyStore` wraps it to simulate an outage.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::body::Body as AxumBody;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response as AxumResponse};
@@ -21,10 +20,10 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, ManualClock, MemoryStore, Phase, Record,
-    RecordState, Scope, Store, StoreError, StoredResponse,
+    IdempotencyKey, ManualClock, MemoryStore, Record, RecordState, Scope, Store, StoredResponse,
 };
 use idem_http::{Disposition, IdempotencyLayer};
+use idem_testkit::faulty::{Fault, FaultyStore, Op};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -44,6 +43,11 @@ impl App {
     fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
     }
+
+    /// Counts a handler call; returns its number (1 for the first).
+    fn hit(&self) -> usize {
+        self.calls.fetch_add(1, Ordering::SeqCst) + 1
+    }
 }
 
 fn delay_of(headers: &HeaderMap) -> Option<Duration> {
@@ -55,7 +59,7 @@ fn delay_of(headers: &HeaderMap) -> Option<Duration> {
 
 /// 201 with Location, ETag, two Set-Cookie and a JSON body echoing the request.
 async fn create_order(State(app): State<App>, headers: HeaderMap, body: Bytes) -> AxumResponse {
-    let n = app.calls.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = app.hit();
     if let Some(d) = delay_of(&headers) {
         tokio::time::sleep(d).await;
     }
@@ -99,7 +103,7 @@ impl axum::response::IntoResponseParts for AppendCookies {
 const BINARY: &[u8] = &[0x00, 0xff, 0xfe, 0x80, b'x', 0xc3, 0x28, 0x0a, 0x0d];
 
 async fn binary(State(app): State<App>) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
+    app.hit();
     (
         StatusCode::CREATED,
         [
@@ -116,7 +120,7 @@ async fn binary(State(app): State<App>) -> AxumResponse {
 }
 
 async fn not_acceptable(State(app): State<App>) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
+    app.hit();
     (
         StatusCode::NOT_ACCEPTABLE,
         [(header::CONTENT_TYPE, "application/json")],
@@ -127,7 +131,7 @@ async fn not_acceptable(State(app): State<App>) -> AxumResponse {
 
 /// 500 on the first call, 201 afterwards.
 async fn flaky(State(app): State<App>) -> AxumResponse {
-    let n = app.calls.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = app.hit();
     if n == 1 {
         (StatusCode::INTERNAL_SERVER_ERROR, "database down").into_response()
     } else {
@@ -141,7 +145,7 @@ fn pattern(len: usize) -> Vec<u8> {
 
 /// A body of `x-len` bytes in one piece.
 async fn big(State(app): State<App>, headers: HeaderMap) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
+    app.hit();
     let len = headers
         .get("x-len")
         .and_then(|v| v.to_str().ok()?.parse().ok())
@@ -151,7 +155,7 @@ async fn big(State(app): State<App>, headers: HeaderMap) -> AxumResponse {
 
 /// 2,000 bytes, then waits for the gate, then 3,000 more (streamed).
 async fn big_stream(State(app): State<App>) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
+    app.hit();
     let data = pattern(5000);
     let first = Bytes::copy_from_slice(&data[..2000]);
     let rest = Bytes::copy_from_slice(&data[2000..]);
@@ -180,36 +184,27 @@ fn async_stream(
     })
 }
 
+/// `status` with `first` as the start of its body, then a failure.
+fn breaks_after(status: StatusCode, first: Bytes) -> AxumResponse {
+    let chunks: Vec<Result<Bytes, std::io::Error>> =
+        vec![Ok(first), Err(std::io::Error::other("upstream reset"))];
+    (status, AxumBody::from_stream(futures::stream::iter(chunks))).into_response()
+}
+
 /// A body that fails after its first chunk.
 async fn broken_stream(State(app): State<App>) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
-    let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
-        Ok(Bytes::from_static(b"partial")),
-        Err(std::io::Error::other("upstream reset")),
-    ];
-    (
-        StatusCode::OK,
-        AxumBody::from_stream(futures::stream::iter(chunks)),
-    )
-        .into_response()
+    app.hit();
+    breaks_after(StatusCode::OK, Bytes::from_static(b"partial"))
 }
 
 /// 2,000 bytes (over a 1,024-byte retention limit), then a failure.
 async fn broken_big_stream(State(app): State<App>) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
-    let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
-        Ok(Bytes::from(pattern(2000))),
-        Err(std::io::Error::other("upstream reset")),
-    ];
-    (
-        StatusCode::CREATED,
-        AxumBody::from_stream(futures::stream::iter(chunks)),
-    )
-        .into_response()
+    app.hit();
+    breaks_after(StatusCode::CREATED, Bytes::from(pattern(2000)))
 }
 
 async fn panics(State(app): State<App>) -> StatusCode {
-    app.calls.fetch_add(1, Ordering::SeqCst);
+    app.hit();
     if app.calls() > 0 {
         panic!("handler bug");
     }
@@ -218,13 +213,13 @@ async fn panics(State(app): State<App>) -> StatusCode {
 
 /// Waits for the gate, then 201.
 async fn gated(State(app): State<App>) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
+    app.hit();
     app.gate.notified().await;
     (StatusCode::CREATED, "done").into_response()
 }
 
 async fn hold_502(State(app): State<App>) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
+    app.hit();
     (
         StatusCode::BAD_GATEWAY,
         Extension(Disposition::Hold),
@@ -234,17 +229,17 @@ async fn hold_502(State(app): State<App>) -> AxumResponse {
 }
 
 async fn release_200(State(app): State<App>) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
+    app.hit();
     (StatusCode::OK, Extension(Disposition::Release), "not kept").into_response()
 }
 
 async fn read_only(State(app): State<App>) -> AxumResponse {
-    let n = app.calls.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = app.hit();
     (StatusCode::OK, format!("read {n}")).into_response()
 }
 
 async fn upload(State(app): State<App>, body: Bytes) -> AxumResponse {
-    app.calls.fetch_add(1, Ordering::SeqCst);
+    app.hit();
     (StatusCode::OK, format!("{}", body.len())).into_response()
 }
 
@@ -1182,91 +1177,18 @@ async fn a_request_body_that_fails_is_400_and_leaves_the_key_untouched() {
 
 // ---------------------------------------------------------------- store failures
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Fail {
-    Nothing,
-    BeginUnavailable,
-    BeginCorrupt,
-    BeginFull,
-    CompleteUnavailable,
-}
-
-/// The real memory store, with an outage switched on at will.
-#[derive(Debug, Clone)]
-struct FailingStore {
-    inner: MemoryStore,
-    fail: Arc<Mutex<Fail>>,
-}
-
-impl FailingStore {
-    fn mode(&self) -> Fail {
-        *self.fail.lock().unwrap()
-    }
-}
-
-#[async_trait]
-impl Store for FailingStore {
-    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
-        match self.mode() {
-            Fail::BeginUnavailable => Err(StoreError::unavailable(
-                Phase::Begin,
-                std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused"),
-            )),
-            Fail::BeginCorrupt => Err(StoreError::Corrupt {
-                phase: Phase::Begin,
-                detail: "bad bytes".into(),
-            }),
-            Fail::BeginFull => Err(StoreError::Full {
-                detail: "cap".into(),
-            }),
-            _ => self.inner.begin(req).await,
-        }
-    }
-    async fn complete(
-        &self,
-        lease: &Lease,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        if self.mode() == Fail::CompleteUnavailable {
-            return Err(StoreError::Timeout {
-                phase: Phase::Complete,
-            });
-        }
-        self.inner.complete(lease, response, ttl).await
-    }
-    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.inner.release(lease).await
-    }
-    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
-        self.inner.extend(lease, lease_for).await
-    }
-    async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        self.inner.get(scope, key).await
-    }
-    async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.inner.delete(scope, key).await
-    }
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.inner.purge_expired().await
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_errors_fail_closed() {
-    let store = FailingStore {
-        inner: MemoryStore::new(),
-        fail: Arc::new(Mutex::new(Fail::Nothing)),
-    };
+    let store = FaultyStore::new(MemoryStore::new());
     let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
-    for (mode, status, kind) in [
-        (Fail::BeginUnavailable, 503, "store-unavailable"),
-        (Fail::BeginFull, 503, "store-full"),
-        (Fail::BeginCorrupt, 500, "corrupt-record"),
+    for (fault, status, kind) in [
+        (Fault::Unavailable, 503, "store-unavailable"),
+        (Fault::Full("cap"), 503, "store-full"),
+        (Fault::Corrupt("bad bytes"), 500, "corrupt-record"),
     ] {
-        *store.fail.lock().unwrap() = mode;
+        store.set(Op::Begin, fault);
         let r = send(addr, post_json("/orders", Some("outage"), "{}")).await;
-        assert_eq!(r.status.as_u16(), status, "{mode:?}");
+        assert_eq!(r.status.as_u16(), status, "{fault:?}");
         assert_eq!(r.problem(), format!("urn:idem:problem:{kind}"));
     }
     assert_eq!(
@@ -1277,11 +1199,12 @@ async fn store_errors_fail_closed() {
 
     // Saving fails after the run: the first caller still gets the real
     // response, and the key is held (no second run while the outcome is unknown).
-    *store.fail.lock().unwrap() = Fail::CompleteUnavailable;
+    store.clear_all();
+    store.set(Op::Complete, Fault::Timeout);
     let r = send(addr, post_json("/orders", Some("save-fails"), "{}")).await;
     assert_eq!(r.status, StatusCode::CREATED);
     assert!(!r.replayed());
-    *store.fail.lock().unwrap() = Fail::Nothing;
+    store.clear_all();
     let dup = send(addr, post_json("/orders", Some("save-fails"), "{}")).await;
     assert_eq!(dup.status, StatusCode::CONFLICT);
     assert_eq!(app.calls(), 1);

@@ -12,8 +12,9 @@ use idem_core::{
     Action, Begin, Engine, EngineConfig, Outcome, Record, RecordState, Saved, Store, StoreError,
 };
 
+use crate::faulty::{Fault, FaultyStore, Op};
 use crate::support::*;
-use crate::{Fault, FaultyStore, Harness};
+use crate::Harness;
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -30,37 +31,35 @@ fn config(lease: Duration, on_cancel: Action) -> EngineConfig {
     }
 }
 
+/// What happened to the result of an execution; panics on any other outcome.
+fn saved<T: std::fmt::Debug>(out: &Outcome<T>) -> &Saved {
+    match out {
+        Outcome::Executed { saved, .. } => saved,
+        other => panic!("expected an execution, got {other:?}"),
+    }
+}
+
 /// CASES A1: 16 concurrent `execute`s of one key run the operation once;
 /// the others get `InFlight` (or the replay, if they came after it ended).
 pub async fn engine_runs_once_under_concurrency<H: Harness>(h: &H) {
     let engine = Engine::with_config(h.store(), config(Duration::from_secs(30), Action::Hold));
     let (scope, key) = (fresh_scope(), fresh_key("engine-race"));
     let runs = Arc::new(AtomicUsize::new(0));
-    let barrier = Arc::new(tokio::sync::Barrier::new(16));
-    let tasks: Vec<_> = (0..16)
-        .map(|_| {
-            let (engine, scope, key, runs, barrier) = (
-                engine.clone(),
-                scope.clone(),
-                key.clone(),
-                runs.clone(),
-                barrier.clone(),
-            );
-            tokio::spawn(async move {
-                barrier.wait().await;
-                engine
-                    .execute(&scope, &key, fp("pay 10"), |_lease| async move {
-                        runs.fetch_add(1, Ordering::SeqCst);
-                        tokio::time::sleep(ms(200)).await;
-                        ((), Action::Store(response("paid")))
-                    })
-                    .await
-            })
-        })
-        .collect();
+    let outcomes = all_at_once(16, || {
+        let (engine, scope, key, runs) = (engine.clone(), scope.clone(), key.clone(), runs.clone());
+        async move {
+            let op = |_lease| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(ms(200)).await;
+                ((), Action::Store(response("paid")))
+            };
+            engine.execute(&scope, &key, fp("pay 10"), op).await
+        }
+    })
+    .await;
     let mut executed = 0;
-    for t in tasks {
-        match t.await.expect("task").expect("execute") {
+    for outcome in outcomes {
+        match outcome.expect("execute") {
             Outcome::Executed { saved, .. } => {
                 executed += 1;
                 assert!(matches!(saved, Saved::Stored), "saved: {saved:?}");
@@ -90,47 +89,24 @@ pub async fn engine_release_lets_retry_run<H: Harness>(h: &H) {
     let engine = Engine::with_config(h.store(), config(Duration::from_secs(30), Action::Hold));
     let (scope, key) = (fresh_scope(), fresh_key("engine-release"));
     let runs = AtomicUsize::new(0);
-    let first = engine
-        .execute(&scope, &key, fp("a"), |_| async {
-            runs.fetch_add(1, Ordering::SeqCst);
-            ((), Action::Release)
-        })
-        .await
-        .expect("execute");
-    assert!(
-        matches!(
-            first,
-            Outcome::Executed {
-                saved: Saved::Released,
-                ..
-            }
-        ),
-        "{first:?}"
-    );
-    let second = engine
-        .execute(&scope, &key, fp("a"), |_| async {
-            runs.fetch_add(1, Ordering::SeqCst);
-            ((), Action::Store(response("ok")))
-        })
-        .await
-        .expect("execute");
-    assert!(
-        matches!(
-            second,
-            Outcome::Executed {
-                saved: Saved::Stored,
-                ..
-            }
-        ),
-        "{second:?}"
-    );
-    let third = engine
-        .execute(&scope, &key, fp("a"), |_| async {
-            runs.fetch_add(1, Ordering::SeqCst);
-            ((), Action::Store(response("twice?")))
-        })
-        .await
-        .expect("execute");
+    let run = |action: Action| {
+        let (engine, scope, key, runs) = (&engine, &scope, &key, &runs);
+        async move {
+            let op = |_| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                ((), action)
+            };
+            engine
+                .execute(scope, key, fp("a"), op)
+                .await
+                .expect("execute")
+        }
+    };
+    let first = run(Action::Release).await;
+    assert!(matches!(saved(&first), Saved::Released), "{first:?}");
+    let second = run(Action::Store(response("ok"))).await;
+    assert!(matches!(saved(&second), Saved::Stored), "{second:?}");
+    let third = run(Action::Store(response("twice?"))).await;
     assert!(
         matches!(third, Outcome::Replayed(ref r) if *r == response("ok")),
         "{third:?}"
@@ -219,14 +195,22 @@ pub async fn engine_failed_save_holds_key<H: Harness>(h: &H) {
     );
     let scope = fresh_scope();
     let cases = [
-        (Fault::CompleteUnavailable, Action::Store(response("lost"))),
-        (Fault::CompleteTimeout, Action::Store(response("lost"))),
-        (Fault::ReleaseUnavailable, Action::Release),
+        (
+            Op::Complete,
+            Fault::Unavailable,
+            Action::Store(response("lost")),
+        ),
+        (
+            Op::Complete,
+            Fault::Timeout,
+            Action::Store(response("lost")),
+        ),
+        (Op::Release, Fault::Unavailable, Action::Release),
     ];
-    for (fault, action) in cases {
+    for (op, fault, action) in cases {
         let key = fresh_key("failed-save");
-        faulty.set_fault(fault);
-        let releases_before = faulty.release_calls();
+        faulty.set(op, fault);
+        let releases_before = faulty.calls(Op::Release);
         let out = engine
             .execute(&scope, &key, fp("a"), |lease| async move {
                 (lease.fence, action)
@@ -241,23 +225,23 @@ pub async fn engine_failed_save_holds_key<H: Harness>(h: &H) {
             } => {
                 assert_eq!(value, fence);
                 match fault {
-                    Fault::CompleteTimeout => {
+                    Fault::Timeout => {
                         assert!(matches!(e, StoreError::Timeout { .. }), "{e:?}")
                     }
                     _ => assert!(matches!(e, StoreError::Unavailable { .. }), "{e:?}"),
                 }
                 fence
             }
-            other => panic!("{fault:?}: expected Saved::Failed, got {other:?}"),
+            other => panic!("{op:?} {fault:?}: expected Saved::Failed, got {other:?}"),
         };
-        if fault != Fault::ReleaseUnavailable {
+        if op != Op::Release {
             assert_eq!(
-                faulty.release_calls(),
+                faulty.calls(Op::Release),
                 releases_before,
-                "{fault:?}: a failed save must not release the key"
+                "{op:?} {fault:?}: a failed save must not release the key"
             );
         }
-        faulty.set_fault(Fault::None);
+        faulty.clear_all();
         let store = h.store();
         let r = req(&scope, &key, fp("a"), lease);
         expect_in_flight(&store, &r, lease).await;
@@ -277,8 +261,7 @@ pub async fn engine_watchdog_keeps_lease_alive<H: Harness>(h: &H) {
     let store = h.store();
     let lease = ms(300);
     let engine = Engine::with_config(store.clone(), config(lease, Action::Hold));
-    let (scope, key) = (fresh_scope(), fresh_key("watchdog"));
-    let r = req(&scope, &key, fp("a"), lease);
+    let (scope, key, r) = fresh_req("watchdog", lease);
     let out = engine
         .execute(&scope, &key, fp("a"), |held| {
             let (store, scope, key, r) = (store.clone(), scope.clone(), key.clone(), r.clone());
@@ -406,7 +389,7 @@ pub async fn engine_failed_save_is_retried_until_it_lands<H: Harness>(h: &H) {
         },
     );
     let (scope, key) = (fresh_scope(), fresh_key("save-retry"));
-    faulty.set_fault(Fault::CompleteUnavailable);
+    faulty.set(Op::Complete, Fault::Unavailable);
     let out = engine
         .execute(&scope, &key, fp("a"), |_lease| async move {
             ((), Action::Store(response("paid")))
@@ -426,7 +409,7 @@ pub async fn engine_failed_save_is_retried_until_it_lands<H: Harness>(h: &H) {
     let store = h.store();
     let r = req(&scope, &key, fp("a"), Duration::from_secs(2));
     expect_in_flight(&store, &r, Duration::from_secs(2)).await;
-    faulty.set_fault(Fault::None);
+    faulty.clear_all();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         match store.begin(&r).await.expect("begin") {

@@ -1,154 +1,376 @@
-//! A store wrapper that fails the save phase on demand.
+//! A programmable fault store: wraps any [`Store`] and makes chosen
+//! operations fail, hang or wait, a number of times or always, counting
+//! every call.
+//!
+//! ```
+//! use idem_core::MemoryStore;
+//! use idem_testkit::faulty::{Fault, FaultyStore, Op};
+//!
+//! let store = FaultyStore::new(MemoryStore::new());
+//! store.set(Op::Complete, Fault::Unavailable); // every `complete` fails
+//! store.set_times(Op::Begin, Fault::Timeout, 2); // the next two `begin`s time out
+//! store.clear_all(); // pass everything through again
+//! assert_eq!(store.calls(Op::Complete), 0);
+//! ```
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, Phase, Record, Scope, Store, StoreError,
-    StoredResponse,
+    Begin, BeginRequest, IdempotencyKey, Lease, MemoryStore, Phase, Record, Scope, Store,
+    StoreError, StoredResponse,
 };
 
-/// Which failure a [`FaultyStore`] injects.
+/// One operation of the [`Store`] trait (its discriminant indexes the
+/// per-operation faults and counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// [`Store::begin`].
+    Begin = 0,
+    /// [`Store::complete`].
+    Complete = 1,
+    /// [`Store::release`].
+    Release = 2,
+    /// [`Store::extend`].
+    Extend = 3,
+    /// [`Store::get`].
+    Get = 4,
+    /// [`Store::delete`].
+    Delete = 5,
+    /// [`Store::purge_expired`].
+    PurgeExpired = 6,
+    /// [`Store::wait_for_change`].
+    WaitForChange = 7,
+}
+
+impl Op {
+    /// Every operation, in the trait's order.
+    pub const ALL: [Op; 8] = [
+        Op::Begin,
+        Op::Complete,
+        Op::Release,
+        Op::Extend,
+        Op::Get,
+        Op::Delete,
+        Op::PurgeExpired,
+        Op::WaitForChange,
+    ];
+
+    /// The [`Phase`] an injected error names (`wait_for_change` reads, so
+    /// it reports [`Phase::Get`]).
+    pub fn phase(self) -> Phase {
+        match self {
+            Op::Begin => Phase::Begin,
+            Op::Complete => Phase::Complete,
+            Op::Release => Phase::Release,
+            Op::Extend => Phase::Extend,
+            Op::Get | Op::WaitForChange => Phase::Get,
+            Op::Delete => Phase::Delete,
+            Op::PurgeExpired => Phase::Purge,
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What an armed operation does instead of (or before) passing through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
-    /// Pass every call through.
-    None,
-    /// `complete` fails with [`StoreError::Unavailable`] without writing.
-    CompleteUnavailable,
-    /// `complete` fails with [`StoreError::Timeout`] without writing.
-    CompleteTimeout,
-    /// `release` fails with [`StoreError::Unavailable`] without writing.
-    ReleaseUnavailable,
+    /// Fails at once with [`StoreError::Unavailable`] (an injected
+    /// "connection refused" source) without calling the inner store.
+    Unavailable,
+    /// Fails at once with [`StoreError::Timeout`] without calling the inner store.
+    Timeout,
+    /// Fails at once with [`StoreError::Corrupt`] carrying this detail.
+    Corrupt(&'static str),
+    /// Fails at once with [`StoreError::Full`] carrying this detail.
+    Full(&'static str),
+    /// Never answers (a caller's timeout has to cut it off).
+    Hang,
+    /// Waits this long, then passes the call through.
+    Delay(Duration),
 }
 
 impl Fault {
-    fn to_u8(self) -> u8 {
+    /// The error this fault returns for `op`; `None` for [`Fault::Hang`]
+    /// and [`Fault::Delay`].
+    pub fn error(self, op: Op) -> Option<StoreError> {
+        let phase = op.phase();
         match self {
-            Fault::None => 0,
-            Fault::CompleteUnavailable => 1,
-            Fault::CompleteTimeout => 2,
-            Fault::ReleaseUnavailable => 3,
-        }
-    }
-
-    fn from_u8(v: u8) -> Self {
-        match v {
-            1 => Fault::CompleteUnavailable,
-            2 => Fault::CompleteTimeout,
-            3 => Fault::ReleaseUnavailable,
-            _ => Fault::None,
+            Fault::Unavailable => Some(StoreError::unavailable(phase, Injected)),
+            Fault::Timeout => Some(StoreError::Timeout { phase }),
+            Fault::Corrupt(detail) => Some(StoreError::Corrupt {
+                phase,
+                detail: detail.to_owned(),
+            }),
+            Fault::Full(detail) => Some(StoreError::Full {
+                detail: detail.to_owned(),
+            }),
+            Fault::Hang | Fault::Delay(_) => None,
         }
     }
 }
 
-/// Wraps a store and makes `complete` or `release` fail on demand, to test
-/// what callers do when saving a result fails. Clones share the fault
-/// setting and the call counters.
-#[derive(Debug, Clone)]
-pub struct FaultyStore<S> {
-    inner: S,
-    fault: Arc<AtomicU8>,
-    completes: Arc<AtomicU64>,
-    releases: Arc<AtomicU64>,
-}
-
-impl<S> FaultyStore<S> {
-    /// Wraps `inner`, passing every call through until [`Self::set_fault`].
-    pub fn new(inner: S) -> Self {
-        Self {
-            inner,
-            fault: Arc::new(AtomicU8::new(0)),
-            completes: Arc::new(AtomicU64::new(0)),
-            releases: Arc::new(AtomicU64::new(0)),
-        }
-    }
-
-    /// Sets the failure injected from now on.
-    pub fn set_fault(&self, fault: Fault) {
-        self.fault.store(fault.to_u8(), Ordering::SeqCst);
-    }
-
-    /// How many times `complete` was called (failed calls included).
-    pub fn complete_calls(&self) -> u64 {
-        self.completes.load(Ordering::SeqCst)
-    }
-
-    /// How many times `release` was called (failed calls included).
-    pub fn release_calls(&self) -> u64 {
-        self.releases.load(Ordering::SeqCst)
-    }
-
-    fn fault(&self) -> Fault {
-        Fault::from_u8(self.fault.load(Ordering::SeqCst))
-    }
-}
-
-/// The error injected for `Unavailable` faults.
+/// The source of an injected [`StoreError::Unavailable`].
 #[derive(Debug)]
 struct Injected;
 
 impl std::fmt::Display for Injected {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("injected fault")
+        f.write_str("connection refused (injected fault)")
     }
 }
 
 impl std::error::Error for Injected {}
 
+/// The fault armed on one operation: which, and for how many more calls
+/// (`None`: every call).
+#[derive(Debug, Clone, Copy, Default)]
+struct Armed {
+    fault: Option<Fault>,
+    remaining: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    armed: [Mutex<Armed>; 8],
+    calls: [AtomicU64; 8],
+    injected: [AtomicU64; 8],
+}
+
+/// Wraps a store and, per [`Op`], fails, hangs or delays calls on demand
+/// (every call, or the next `n`), counting every call and every injected
+/// fault. Unarmed operations pass straight through. Clones share the
+/// armed faults and the counters (and the inner store, when it is a
+/// handle such as [`MemoryStore`]).
+#[derive(Debug, Clone)]
+pub struct FaultyStore<S> {
+    inner: S,
+    state: Arc<State>,
+}
+
+impl FaultyStore<MemoryStore> {
+    /// A fresh [`MemoryStore`] whose every operation hangs (a store that
+    /// accepted the connection and never answers).
+    pub fn hung() -> Self {
+        let store = Self::new(MemoryStore::new());
+        store.set_each(&Op::ALL, Fault::Hang);
+        store
+    }
+}
+
+impl<S> FaultyStore<S> {
+    /// Wraps `inner`, passing every call through until a fault is armed.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            state: Arc::new(State::default()),
+        }
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Arms `fault` on every call of `op` from now on (until [`Self::clear`]).
+    pub fn set(&self, op: Op, fault: Fault) {
+        self.arm(op, fault, None);
+    }
+
+    /// Arms `fault` on every call of each of `ops`.
+    pub fn set_each(&self, ops: &[Op], fault: Fault) {
+        for op in ops {
+            self.set(*op, fault);
+        }
+    }
+
+    /// Arms `fault` on the next `n` calls of `op`; later calls pass through.
+    pub fn set_times(&self, op: Op, fault: Fault, n: u64) {
+        self.arm(op, fault, Some(n));
+    }
+
+    /// Disarms `op`: its calls pass through again.
+    pub fn clear(&self, op: Op) {
+        *self.slot(op) = Armed::default();
+    }
+
+    /// Disarms every operation.
+    pub fn clear_all(&self) {
+        for op in Op::ALL {
+            self.clear(op);
+        }
+    }
+
+    /// How many times `op` was called (calls that got a fault included).
+    pub fn calls(&self, op: Op) -> u64 {
+        self.state.calls[op.index()].load(Ordering::SeqCst)
+    }
+
+    /// How many calls of `op` got the armed fault.
+    pub fn injected(&self, op: Op) -> u64 {
+        self.state.injected[op.index()].load(Ordering::SeqCst)
+    }
+
+    fn arm(&self, op: Op, fault: Fault, remaining: Option<u64>) {
+        *self.slot(op) = Armed {
+            fault: Some(fault),
+            remaining,
+        };
+    }
+
+    fn slot(&self, op: Op) -> std::sync::MutexGuard<'_, Armed> {
+        self.state.armed[op.index()]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Counts a call of `op` and takes its fault, if one is armed.
+    fn take(&self, op: Op) -> Option<Fault> {
+        self.state.calls[op.index()].fetch_add(1, Ordering::SeqCst);
+        let mut slot = self.slot(op);
+        let fault = slot.fault?;
+        match slot.remaining {
+            Some(0) => {
+                *slot = Armed::default();
+                return None;
+            }
+            Some(n) => {
+                slot.remaining = Some(n - 1);
+                if n == 1 {
+                    *slot = Armed::default();
+                }
+            }
+            None => {}
+        }
+        self.state.injected[op.index()].fetch_add(1, Ordering::SeqCst);
+        Some(fault)
+    }
+
+    /// What a call of `op` meets before it reaches the inner store: an
+    /// error, a hang, a delay, or nothing.
+    async fn gate(&self, op: Op) -> Res<()> {
+        match self.take(op) {
+            None => Ok(()),
+            Some(Fault::Hang) => std::future::pending().await,
+            Some(Fault::Delay(d)) => {
+                tokio::time::sleep(d).await;
+                Ok(())
+            }
+            Some(fault) => Err(fault.error(op).expect("an error fault")),
+        }
+    }
+}
+
+/// What every [`Store`] call returns.
+type Res<T> = Result<T, StoreError>;
+
 #[async_trait]
-impl<S: Store + Clone> Store for FaultyStore<S> {
-    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
+impl<S: Store> Store for FaultyStore<S> {
+    async fn begin(&self, req: &BeginRequest) -> Res<Begin> {
+        self.gate(Op::Begin).await?;
         self.inner.begin(req).await
     }
 
-    async fn complete(
-        &self,
-        lease: &Lease,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.completes.fetch_add(1, Ordering::SeqCst);
-        match self.fault() {
-            Fault::CompleteUnavailable => Err(StoreError::unavailable(Phase::Complete, Injected)),
-            Fault::CompleteTimeout => Err(StoreError::Timeout {
-                phase: Phase::Complete,
-            }),
-            _ => self.inner.complete(lease, response, ttl).await,
-        }
+    async fn complete(&self, lease: &Lease, response: &StoredResponse, ttl: Duration) -> Res<()> {
+        self.gate(Op::Complete).await?;
+        self.inner.complete(lease, response, ttl).await
     }
 
-    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.releases.fetch_add(1, Ordering::SeqCst);
-        match self.fault() {
-            Fault::ReleaseUnavailable => Err(StoreError::unavailable(Phase::Release, Injected)),
-            _ => self.inner.release(lease).await,
-        }
+    async fn release(&self, lease: &Lease) -> Res<()> {
+        self.gate(Op::Release).await?;
+        self.inner.release(lease).await
     }
 
-    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Res<Lease> {
+        self.gate(Op::Extend).await?;
         self.inner.extend(lease, lease_for).await
     }
 
-    async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+    async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Res<Option<Record>> {
+        self.gate(Op::Get).await?;
         self.inner.get(scope, key).await
     }
 
-    async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+    async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Res<bool> {
+        self.gate(Op::Delete).await?;
         self.inner.delete(scope, key).await
     }
 
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
+    async fn purge_expired(&self) -> Res<u64> {
+        self.gate(Op::PurgeExpired).await?;
         self.inner.purge_expired().await
     }
 
-    async fn wait_for_change(
-        &self,
-        scope: &Scope,
-        key: &IdempotencyKey,
-        max: Duration,
-    ) -> Result<(), StoreError> {
+    async fn wait_for_change(&self, scope: &Scope, key: &IdempotencyKey, max: Duration) -> Res<()> {
+        self.gate(Op::WaitForChange).await?;
         self.inner.wait_for_change(scope, key, max).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::support::{fp, fresh_key, fresh_scope};
+
+    fn req() -> BeginRequest {
+        let (scope, key) = (fresh_scope(), fresh_key("faulty"));
+        crate::support::req(&scope, &key, fp("a"), Duration::from_secs(5))
+    }
+
+    #[tokio::test]
+    async fn faults_are_counted_limited_and_cleared() {
+        let store = FaultyStore::new(MemoryStore::new());
+        let r = req();
+        let (scope, key) = (r.scope.clone(), r.key.clone());
+        store.set_times(Op::Begin, Fault::Timeout, 2);
+        for _ in 0..2 {
+            let e = store.begin(&r).await.unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    StoreError::Timeout {
+                        phase: Phase::Begin
+                    }
+                ),
+                "{e:?}"
+            );
+        }
+        assert!(matches!(store.begin(&r).await, Ok(Begin::Acquired(_))));
+        assert_eq!((store.calls(Op::Begin), store.injected(Op::Begin)), (3, 2));
+
+        store.set(Op::Get, Fault::Corrupt("bad bytes"));
+        for _ in 0..3 {
+            let e = store.get(&scope, &key).await.unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    StoreError::Corrupt {
+                        phase: Phase::Get,
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+        }
+        store.clear_all();
+        assert!(store.get(&scope, &key).await.unwrap().is_some());
+        assert_eq!(store.injected(Op::Get), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hang_never_answers_and_delay_passes_through() {
+        let store = FaultyStore::hung();
+        let hung = tokio::time::timeout(Duration::from_secs(60), store.begin(&req())).await;
+        assert!(hung.is_err(), "a hung store answered");
+        store.clear_all();
+        store.set(Op::PurgeExpired, Fault::Delay(Duration::from_secs(3)));
+        let start = tokio::time::Instant::now();
+        assert_eq!(store.purge_expired().await.unwrap(), 0);
+        assert!(start.elapsed() >= Duration::from_secs(3));
     }
 }

@@ -86,8 +86,7 @@ fn one_winner(answers: Vec<Begin>, lease: Duration) -> Lease {
 /// retry-after in `(0, lease]`, and `get` shows the claim (CASES A2).
 pub async fn claim_once<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("claim"));
-    let r = req(&scope, &key, fp("a"), 2 * SEC);
+    let (scope, key, r) = fresh_req("claim", 2 * SEC);
     let lease = acquire(&store, &r).await;
     assert!(lease.fence > 0, "fences are positive");
     expect_in_flight(&store, &r, 2 * SEC).await;
@@ -105,8 +104,7 @@ pub async fn claim_once<H: Harness>(h: &H) {
 /// `Acquired`, the rest `InFlight` (CASES A1, I1).
 pub async fn concurrent_begins_one_winner<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("race"));
-    let r = req(&scope, &key, fp("a"), 2 * SEC);
+    let (scope, key, r) = fresh_req("race", 2 * SEC);
     let winner = one_winner(race_begins(&store, &r, 32).await, 2 * SEC);
     expect_in_progress(&store, &scope, &key, fp("a"), winner.fence).await;
 }
@@ -185,8 +183,7 @@ pub async fn mismatch_in_flight_and_after_completion<H: Harness>(h: &H) {
 /// larger fence; the released lease is dead (CASES C1).
 pub async fn release_then_reclaim<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("release"));
-    let r = req(&scope, &key, fp("a"), 2 * SEC);
+    let (scope, key, r) = fresh_req("release", 2 * SEC);
     let first = acquire(&store, &r).await;
     store.release(&first).await.expect("release");
     assert_eq!(
@@ -217,8 +214,7 @@ pub async fn release_then_reclaim<H: Harness>(h: &H) {
 /// concurrent callers, with a larger fence (CASES A3, B1).
 pub async fn lease_expiry_takeover_by_one<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("expiry"));
-    let r = req(&scope, &key, fp("a"), 2 * SEC);
+    let (scope, key, r) = fresh_req("expiry", 2 * SEC);
     let first = acquire(&store, &r).await;
     h.advance(SEC).await;
     expect_in_flight(&store, &r, SEC).await;
@@ -245,8 +241,7 @@ pub async fn lease_expiry_takeover_by_one<H: Harness>(h: &H) {
 /// more time pass than asked; the "free" checks cannot be hurt by that.
 pub async fn sub_second_lease<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("b2"));
-    let r = req(&scope, &key, fp("a"), ms(1500));
+    let (scope, _, r) = fresh_req("b2", ms(1500));
     let first = acquire(&store, &r).await;
     h.advance(ms(1100)).await;
     expect_in_flight(&store, &r, ms(400)).await;
@@ -268,8 +263,7 @@ pub async fn sub_second_lease<H: Harness>(h: &H) {
 /// `release` and `extend`, and writes nothing (CASES G1, G3).
 pub async fn stale_fence_rejected<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("stale"));
-    let r = req(&scope, &key, fp("a"), SEC);
+    let (scope, key, r) = fresh_req("stale", SEC);
     let old = acquire(&store, &r).await;
     h.advance(ms(1200)).await;
     let new = acquire(&store, &r).await;
@@ -328,8 +322,7 @@ pub async fn stale_fence_rejected<H: Harness>(h: &H) {
 /// the operation a second time (docs/PROTOCOL.md, "Fences").
 pub async fn late_complete_without_takeover_is_kept<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("late"));
-    let r = req(&scope, &key, fp("a"), SEC);
+    let (_, _, r) = fresh_req("late", SEC);
     let lease = acquire(&store, &r).await;
     h.advance(ms(1500)).await;
     store
@@ -343,8 +336,7 @@ pub async fn late_complete_without_takeover_is_kept<H: Harness>(h: &H) {
 /// would have ended, and frees itself when the new one ends.
 pub async fn extend_moves_lease_end<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("extend"));
-    let r = req(&scope, &key, fp("a"), SEC);
+    let (scope, key, r) = fresh_req("extend", SEC);
     let lease = acquire(&store, &r).await;
     h.advance(ms(600)).await;
     let renewed = store.extend(&lease, 2 * SEC).await.expect("extend");
@@ -374,8 +366,7 @@ pub async fn extend_moves_lease_end<H: Harness>(h: &H) {
 /// key is free and `begin` acquires it again.
 pub async fn completed_record_expires_after_ttl<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("ttl"));
-    let r = req(&scope, &key, fp("a"), SEC);
+    let (scope, key, r) = fresh_req("ttl", SEC);
     let first = acquire(&store, &r).await;
     store
         .complete(&first, &response("one"), 2 * SEC)
@@ -403,8 +394,7 @@ pub async fn completed_record_expires_after_ttl<H: Harness>(h: &H) {
 /// and says whether one existed; a deleted claim's lease is dead.
 pub async fn get_and_delete<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("get"));
-    let r = req(&scope, &key, fp("a"), 2 * SEC);
+    let (scope, key, r) = fresh_req("get", 2 * SEC);
     assert_eq!(get(&store, &scope, &key).await, None);
     assert!(
         !store.delete(&scope, &key).await.expect("delete"),
@@ -501,8 +491,7 @@ pub async fn purge_expired_removes_only_expired<H: Harness>(h: &H) {
 /// and TTL expiry of a completed record.
 pub async fn fence_grows_across_release_expiry_purge<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("fence"));
-    let r = req(&scope, &key, fp("a"), ms(500));
+    let (scope, key, r) = fresh_req("fence", ms(500));
     let mut fences = vec![acquire(&store, &r).await];
     // release
     store
@@ -548,8 +537,7 @@ pub async fn fence_grows_across_release_expiry_purge<H: Harness>(h: &H) {
 /// a waiter then replays the result.
 pub async fn wait_for_change_returns_early_on_complete<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("wait"));
-    let r = req(&scope, &key, fp("a"), LONG);
+    let (scope, key, r) = fresh_req("wait", LONG);
     let lease = acquire(&store, &r).await;
     let completer = {
         let store = store.clone();
@@ -588,8 +576,7 @@ pub async fn wait_for_change_returns_early_on_complete<H: Harness>(h: &H) {
 /// for an absent key.
 pub async fn wait_for_change_returns_by_max<H: Harness>(h: &H) {
     let store = h.store();
-    let (scope, key) = (fresh_scope(), fresh_key("wait-max"));
-    let r = req(&scope, &key, fp("a"), LONG);
+    let (scope, key, r) = fresh_req("wait-max", LONG);
     let lease = acquire(&store, &r).await;
     let started = Instant::now();
     tokio::time::timeout(3 * SEC, store.wait_for_change(&scope, &key, ms(300)))

@@ -48,6 +48,42 @@ pub fn req(
     }
 }
 
+/// Runs `n` futures made by `task` at once: each is spawned, and all are
+/// released together by a barrier. Returns their outputs in spawn order.
+///
+/// # Panics
+/// When a task panicked.
+pub async fn all_at_once<F, Fut>(n: usize, task: F) -> Vec<Fut::Output>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future + Send + 'static,
+    Fut::Output: Send + 'static,
+{
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
+    let handles: Vec<_> = (0..n)
+        .map(|_| {
+            let (barrier, fut) = (barrier.clone(), task());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                fut.await
+            })
+        })
+        .collect();
+    let mut outputs = Vec::with_capacity(n);
+    for h in handles {
+        outputs.push(h.await.expect("task"));
+    }
+    outputs
+}
+
+/// A fresh scope and a fresh key starting with `label`, and the `begin`
+/// request for them with fingerprint `fp("a")` and `lease`.
+pub fn fresh_req(label: &str, lease: Duration) -> (Scope, IdempotencyKey, BeginRequest) {
+    let (scope, key) = (fresh_scope(), fresh_key(label));
+    let r = req(&scope, &key, fp("a"), lease);
+    (scope, key, r)
+}
+
 /// A response that exercises the encoding: status 201, repeated and binary
 /// header values, a body that is not UTF-8.
 pub fn rich_response() -> StoredResponse {

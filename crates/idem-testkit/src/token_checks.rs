@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::token::{SubmitTokens, TokenOutcome};
-use idem_core::{Action, Engine, EngineConfig, IdempotencyKey, Outcome, Saved, Store};
+use idem_core::token::{IssuedToken, SubmitTokens, TokenOutcome};
+use idem_core::{Action, Engine, EngineConfig, IdempotencyKey, Outcome, Saved, Scope, Store};
 
 use crate::support::*;
 use crate::Harness;
@@ -51,6 +51,19 @@ async fn use_token<S: Store + Clone>(
     .expect("execute")
 }
 
+/// Tokens over `store` keeping results for `result_ttl`, a fresh scope,
+/// and a token issued in it for `token_ttl`.
+async fn issue_one<S: Store + Clone>(
+    store: S,
+    result_ttl: Duration,
+    token_ttl: Duration,
+) -> (SubmitTokens<S>, Scope, IssuedToken) {
+    let t = tokens(store, result_ttl);
+    let scope = fresh_scope();
+    let issued = t.issue(&scope, token_ttl).await.expect("issue");
+    (t, scope, issued)
+}
+
 /// The token's own record (as an idempotency key) in `scope`.
 async fn token_record<S: Store>(store: &S, scope: &idem_core::Scope, token: &str) -> bool {
     let key = IdempotencyKey::new(token).expect("a token is a valid key");
@@ -60,12 +73,8 @@ async fn token_record<S: Store>(store: &S, scope: &idem_core::Scope, token: &str
 /// Issue, first use runs the operation and stores its result, a second use
 /// replays it without running again; the issued shape is as documented.
 pub async fn token_issue_use_replay<H: Harness>(h: &H) {
-    let t = tokens(h.store(), Duration::from_secs(60));
-    let scope = fresh_scope();
-    let issued = t
-        .issue(&scope, Duration::from_secs(30))
-        .await
-        .expect("issue");
+    let (t, scope, issued) =
+        issue_one(h.store(), Duration::from_secs(60), Duration::from_secs(30)).await;
     assert_eq!(issued.token.len(), 36);
     assert!(issued.token.starts_with("tok_"));
     assert_eq!(issued.expires_in, Duration::from_secs(30));
@@ -102,38 +111,25 @@ pub async fn token_issue_use_replay<H: Harness>(h: &H) {
 /// CASES I1: 16 concurrent uses of one token run the operation once; the
 /// others get `InFlight` or the replay.
 pub async fn token_concurrent_use_runs_once<H: Harness>(h: &H) {
-    let t = tokens(h.store(), Duration::from_secs(60));
-    let scope = fresh_scope();
-    let issued = t
-        .issue(&scope, Duration::from_secs(30))
-        .await
-        .expect("issue");
+    let (t, scope, issued) =
+        issue_one(h.store(), Duration::from_secs(60), Duration::from_secs(30)).await;
     let runs = Arc::new(AtomicUsize::new(0));
-    let barrier = Arc::new(tokio::sync::Barrier::new(16));
-    let tasks: Vec<_> = (0..16)
-        .map(|_| {
-            let (t, scope, token, runs, barrier) = (
-                t.clone(),
-                scope.clone(),
-                issued.token.clone(),
-                runs.clone(),
-                barrier.clone(),
-            );
-            tokio::spawn(async move {
-                barrier.wait().await;
-                t.execute(&scope, &token, fp("pay 10"), |_lease| async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    ((), Action::Store(response("paid")))
-                })
-                .await
-                .expect("execute")
-            })
-        })
-        .collect();
+    let outcomes = all_at_once(16, || {
+        let (t, scope, token, runs) =
+            (t.clone(), scope.clone(), issued.token.clone(), runs.clone());
+        async move {
+            let op = |_lease| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                ((), Action::Store(response("paid")))
+            };
+            t.execute(&scope, &token, fp("pay 10"), op).await
+        }
+    })
+    .await;
     let (mut executed, mut in_flight, mut replayed) = (0, 0, 0);
-    for task in tasks {
-        match task.await.expect("task") {
+    for outcome in outcomes {
+        match outcome.expect("execute") {
             TokenOutcome::Keyed(Outcome::Executed { saved, .. }) => {
                 assert!(matches!(saved, Saved::Stored), "saved: {saved:?}");
                 executed += 1;
@@ -187,9 +183,7 @@ pub async fn token_unknown_rejected_store_clean<H: Harness>(h: &H) {
 /// record.
 pub async fn token_expired_rejected<H: Harness>(h: &H) {
     let store = h.store();
-    let t = tokens(store.clone(), Duration::from_secs(60));
-    let scope = fresh_scope();
-    let issued = t.issue(&scope, SHORT_TTL).await.expect("issue");
+    let (t, scope, issued) = issue_one(store.clone(), Duration::from_secs(60), SHORT_TTL).await;
     assert_eq!(issued.expires_in, SHORT_TTL);
     h.advance(PAST_TTL).await;
     assert!(!t.is_live(&scope, &issued.token).await.expect("is_live"));
@@ -221,9 +215,7 @@ pub async fn token_bound_to_its_scope<H: Harness>(h: &H) {
 /// Used within its TTL, reused after it (the result still retained): the
 /// reuse gets the stored result, nothing runs again.
 pub async fn token_reuse_after_ttl_replays<H: Harness>(h: &H) {
-    let t = tokens(h.store(), Duration::from_secs(60));
-    let scope = fresh_scope();
-    let issued = t.issue(&scope, SHORT_TTL).await.expect("issue");
+    let (t, scope, issued) = issue_one(h.store(), Duration::from_secs(60), SHORT_TTL).await;
     let runs = AtomicUsize::new(0);
     let first = use_token(&t, &scope, &issued.token, &runs, "paid").await;
     assert!(
@@ -241,12 +233,8 @@ pub async fn token_reuse_after_ttl_replays<H: Harness>(h: &H) {
 /// A run that releases its key (a retryable failure) leaves the token live:
 /// a retry runs, and its result is then replayed.
 pub async fn token_retry_after_release_runs<H: Harness>(h: &H) {
-    let t = tokens(h.store(), Duration::from_secs(60));
-    let scope = fresh_scope();
-    let issued = t
-        .issue(&scope, Duration::from_secs(30))
-        .await
-        .expect("issue");
+    let (t, scope, issued) =
+        issue_one(h.store(), Duration::from_secs(60), Duration::from_secs(30)).await;
     let failed = t
         .execute(&scope, &issued.token, fp("pay 10"), |_| async {
             ((), Action::Release)
@@ -278,12 +266,8 @@ pub async fn token_retry_after_release_runs<H: Harness>(h: &H) {
 /// the token is spent: after the result is forgotten, the token is rejected
 /// rather than run a second time.
 pub async fn token_never_runs_twice_after_result_expiry<H: Harness>(h: &H) {
-    let t = tokens(h.store(), Duration::from_secs(2));
-    let scope = fresh_scope();
-    let issued = t
-        .issue(&scope, Duration::from_secs(3600))
-        .await
-        .expect("issue");
+    let (t, scope, issued) =
+        issue_one(h.store(), Duration::from_secs(2), Duration::from_secs(3600)).await;
     assert_eq!(
         issued.expires_in,
         Duration::from_secs(2),

@@ -12,10 +12,18 @@ mod memory_lock_tests {
     use std::time::Duration;
 
     use idem_core::lock::{
-        Acquire, Lock, LockBackend, LockError, LockLease, MemoryLockBackend, Run, RunOptions,
-        TryAcquire,
+        Acquire, Lock, LockBackend, LockError, LockGuard, LockLease, MemoryLockBackend, Run,
+        RunOptions, TryAcquire,
     };
     use idem_core::{ManualClock, Millis};
+
+    /// `try_acquire` of a free `name`: its guard.
+    async fn held<B: LockBackend>(lock: &Lock<B>, name: &str, ttl: Duration) -> LockGuard {
+        match lock.try_acquire(name, ttl).await.expect("acquire") {
+            Acquire::Held(g) => g,
+            other => panic!("free name: {other:?}"),
+        }
+    }
 
     /// A guard's lease end is the manual clock's time plus the TTL, and
     /// renewals move it by the clock.
@@ -23,13 +31,7 @@ mod memory_lock_tests {
     async fn lease_ends_follow_the_injected_clock() {
         let clock = ManualClock::new(Millis(1_000_000));
         let lock = Lock::new(MemoryLockBackend::new(Arc::new(clock.clone())));
-        let Acquire::Held(g) = lock
-            .try_acquire("clocked", Duration::from_millis(900))
-            .await
-            .expect("acquire")
-        else {
-            panic!("free name")
-        };
+        let g = held(&lock, "clocked", Duration::from_millis(900)).await;
         assert_eq!(g.lease().until, Millis(1_000_900));
         clock.advance(Duration::from_millis(400));
         tokio::time::sleep(Duration::from_millis(400)).await;
@@ -42,13 +44,7 @@ mod memory_lock_tests {
     #[tokio::test(start_paused = true)]
     async fn dropped_guard_releases() {
         let lock = Lock::new(MemoryLockBackend::default());
-        let Acquire::Held(g) = lock
-            .try_acquire("dropped", Duration::from_secs(60))
-            .await
-            .expect("acquire")
-        else {
-            panic!("free name")
-        };
+        let g = held(&lock, "dropped", Duration::from_secs(60)).await;
         drop(g);
         let Acquire::Held(g) = lock
             .acquire("dropped", Duration::from_secs(60), Duration::from_secs(1))
@@ -67,13 +63,7 @@ mod memory_lock_tests {
     #[tokio::test(start_paused = true)]
     async fn acquire_with_duration_max_waits_without_deadline() {
         let lock = Lock::new(MemoryLockBackend::default());
-        let Acquire::Held(g) = lock
-            .try_acquire("max-wait", Duration::from_secs(5))
-            .await
-            .expect("acquire")
-        else {
-            panic!("free name")
-        };
+        let g = held(&lock, "max-wait", Duration::from_secs(5)).await;
         let l2 = lock.clone();
         let waiter = tokio::spawn(async move {
             l2.acquire("max-wait", Duration::from_secs(5), Duration::MAX)
@@ -140,13 +130,7 @@ mod memory_lock_tests {
     #[tokio::test(start_paused = true)]
     async fn cancelled_release_still_releases() {
         let lock = Lock::new(SlowRelease::default());
-        let Acquire::Held(g) = lock
-            .try_acquire("cancelled-release", Duration::from_secs(60))
-            .await
-            .expect("acquire")
-        else {
-            panic!("free name")
-        };
+        let g = held(&lock, "cancelled-release", Duration::from_secs(60)).await;
         let cut = tokio::time::timeout(Duration::from_millis(20), g.release()).await;
         assert!(
             cut.is_err(),

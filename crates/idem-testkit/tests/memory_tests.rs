@@ -7,8 +7,8 @@ mod memory_tests {
     use std::time::Duration;
 
     use idem_core::{
-        Begin, Fingerprint, IdempotencyKey, Lease, ManualClock, MemoryLimits, MemoryStore, Millis,
-        Record, RecordState, Scope, Store, StoreError, StoredResponse,
+        Begin, BeginRequest, Fingerprint, IdempotencyKey, Lease, ManualClock, MemoryLimits,
+        MemoryStore, Millis, Record, RecordState, Scope, Store, StoreError, StoredResponse,
     };
     use idem_testkit::support::{acquire, expect_in_flight, expect_replay, fp, req, response};
     use idem_testkit::{Harness, MemoryHarness, SleepingHarness};
@@ -30,14 +30,43 @@ mod memory_tests {
     const SEC: Duration = Duration::from_secs(1);
     const MIN: Duration = Duration::from_secs(60);
 
+    /// The `begin` request for key `name` (anonymous scope, fingerprint of `name`).
+    fn named(name: &str, lease: Duration) -> BeginRequest {
+        req(&Scope::anonymous(), &key(name), fp(name), lease)
+    }
+
     async fn claim(store: &MemoryStore, name: &str, lease: Duration) -> Result<Begin, StoreError> {
-        store
-            .begin(&req(&Scope::anonymous(), &key(name), fp(name), lease))
-            .await
+        store.begin(&named(name, lease)).await
+    }
+
+    /// Expects `begin` of `name` to be refused with `Full`.
+    async fn refused_full(store: &MemoryStore, name: &str) {
+        match claim(store, name, MIN).await {
+            Err(StoreError::Full { .. }) => {}
+            other => panic!("expected Full, got {other:?}"),
+        }
+    }
+
+    /// Expects `begin` of `name` to claim it.
+    async fn acquires(store: &MemoryStore, name: &str, lease: Duration) {
+        let got = claim(store, name, lease).await;
+        assert!(matches!(got, Ok(Begin::Acquired(_))), "{name}: {got:?}");
+    }
+
+    /// A store capped at `max_entries` records and `max_bytes` bytes that
+    /// may evict live results (`evict_live_results`), and its harness.
+    fn evicting(max_entries: usize, max_bytes: usize) -> (MemoryHarness, MemoryStore) {
+        let h = MemoryHarness::with_limits(MemoryLimits {
+            max_entries,
+            max_bytes,
+            evict_live_results: true,
+        });
+        let store = h.store();
+        (h, store)
     }
 
     async fn done(store: &MemoryStore, name: &str, ttl: Duration) {
-        let lease = acquire(store, &req(&Scope::anonymous(), &key(name), fp(name), MIN)).await;
+        let lease = acquire(store, &named(name, MIN)).await;
         store
             .complete(&lease, &response(name), ttl)
             .await
@@ -54,21 +83,11 @@ mod memory_tests {
     }
 
     async fn replays(store: &MemoryStore, name: &str) {
-        expect_replay(
-            store,
-            &req(&Scope::anonymous(), &key(name), fp(name), MIN),
-            &response(name),
-        )
-        .await;
+        expect_replay(store, &named(name, MIN), &response(name)).await;
     }
 
     async fn in_flight(store: &MemoryStore, name: &str) {
-        expect_in_flight(
-            store,
-            &req(&Scope::anonymous(), &key(name), fp(name), MIN),
-            MIN,
-        )
-        .await;
+        expect_in_flight(store, &named(name, MIN), MIN).await;
     }
 
     /// CASES F2 with the default limits: a store full of live results refuses
@@ -84,18 +103,12 @@ mod memory_tests {
         let store = h.store();
         done(&store, "a", MIN).await;
         done(&store, "b", 2 * SEC).await;
-        match claim(&store, "c", MIN).await {
-            Err(StoreError::Full { .. }) => {}
-            other => panic!("expected Full, got {other:?}"),
-        }
+        refused_full(&store, "c").await;
         replays(&store, "a").await;
         replays(&store, "b").await;
         // b expires: now there is room, and a is still replayed.
         h.advance(3 * SEC).await;
-        assert!(matches!(
-            claim(&store, "c", MIN).await,
-            Ok(Begin::Acquired(_))
-        ));
+        acquires(&store, "c", MIN).await;
         replays(&store, "a").await;
         in_flight(&store, "c").await;
     }
@@ -106,12 +119,7 @@ mod memory_tests {
     /// `begin` fails with `Full`.
     #[tokio::test]
     async fn entry_cap_evicts_expired_then_stale_then_oldest_completed_never_in_flight() {
-        let h = MemoryHarness::with_limits(MemoryLimits {
-            max_entries: 3,
-            max_bytes: usize::MAX,
-            evict_live_results: true,
-        });
-        let store = h.store();
+        let (h, store) = evicting(3, usize::MAX);
         done(&store, "a", SEC).await;
         done(&store, "b", MIN).await;
         done(&store, "c", MIN).await;
@@ -119,20 +127,14 @@ mod memory_tests {
 
         // a expired: it goes, b and c stay.
         h.advance(2 * SEC).await;
-        assert!(matches!(
-            claim(&store, "d", MIN).await,
-            Ok(Begin::Acquired(_))
-        ));
+        acquires(&store, "d", MIN).await;
         assert_eq!(store.len(), 3);
         replays(&store, "b").await;
         replays(&store, "c").await;
         in_flight(&store, "d").await;
 
         // Full of live records: b is the oldest completed one.
-        assert!(matches!(
-            claim(&store, "e", SEC).await,
-            Ok(Begin::Acquired(_))
-        ));
+        acquires(&store, "e", SEC).await;
         assert_eq!(store.len(), 3);
         replays(&store, "c").await;
         in_flight(&store, "d").await;
@@ -140,28 +142,19 @@ mod memory_tests {
 
         // e's lease ends: a stale claim goes before the live result c.
         h.advance(2 * SEC).await;
-        assert!(matches!(
-            claim(&store, "f", MIN).await,
-            Ok(Begin::Acquired(_))
-        ));
+        acquires(&store, "f", MIN).await;
         replays(&store, "c").await;
         in_flight(&store, "d").await;
         in_flight(&store, "f").await;
 
         // Then c, the last completed record.
-        assert!(matches!(
-            claim(&store, "g", MIN).await,
-            Ok(Begin::Acquired(_))
-        ));
+        acquires(&store, "g", MIN).await;
         in_flight(&store, "d").await;
         in_flight(&store, "f").await;
         in_flight(&store, "g").await;
 
         // Only live claims remain: refuse rather than evict one.
-        match claim(&store, "h", MIN).await {
-            Err(StoreError::Full { .. }) => {}
-            other => panic!("expected Full, got {other:?}"),
-        }
+        refused_full(&store, "h").await;
         in_flight(&store, "d").await;
         in_flight(&store, "f").await;
         in_flight(&store, "g").await;
@@ -177,15 +170,10 @@ mod memory_tests {
     /// flight with the lease the store held (extended ones included).
     #[tokio::test]
     async fn byte_cap_evicts_oldest_completed_and_refuses_oversized_results() {
-        let h = MemoryHarness::with_limits(MemoryLimits {
-            max_entries: usize::MAX,
-            max_bytes: 2_000,
-            evict_live_results: true,
-        });
-        let store = h.store();
+        let (h, store) = evicting(usize::MAX, 2_000);
         let big = |name: &str| StoredResponse::new(200, vec![name.as_bytes()[0]; 600]);
         for name in ["a", "b"] {
-            let lease = acquire(&store, &req(&Scope::anonymous(), &key(name), fp(name), MIN)).await;
+            let lease = acquire(&store, &named(name, MIN)).await;
             store
                 .complete(&lease, &big(name), MIN)
                 .await
@@ -194,51 +182,27 @@ mod memory_tests {
         let two = store.bytes();
         assert!(two <= 2_000, "{two} bytes");
         // A third big result does not fit next to a and b: a (the oldest) goes.
-        let lease = acquire(&store, &req(&Scope::anonymous(), &key("c"), fp("c"), MIN)).await;
+        let lease = acquire(&store, &named("c", MIN)).await;
         store
             .complete(&lease, &big("c"), MIN)
             .await
             .expect("complete");
         assert!(store.bytes() <= 2_000);
-        expect_replay(
-            &store,
-            &req(&Scope::anonymous(), &key("b"), fp("b"), MIN),
-            &big("b"),
-        )
-        .await;
-        expect_replay(
-            &store,
-            &req(&Scope::anonymous(), &key("c"), fp("c"), MIN),
-            &big("c"),
-        )
-        .await;
+        expect_replay(&store, &named("b", MIN), &big("b")).await;
+        expect_replay(&store, &named("c", MIN), &big("c")).await;
         assert!(!present(&store, "a").await, "a was evicted");
 
         // A result larger than the whole store: Full, nothing evicted, the key
         // still held until the (extended) lease the store granted.
-        let lease = acquire(
-            &store,
-            &req(&Scope::anonymous(), &key("huge"), fp("huge"), SEC),
-        )
-        .await;
+        let lease = acquire(&store, &named("huge", SEC)).await;
         let extended = store.extend(&lease, MIN).await.expect("extend");
         let huge = StoredResponse::new(200, vec![0u8; 5_000]);
         match store.complete(&lease, &huge, MIN).await {
             Err(StoreError::Full { .. }) => {}
             other => panic!("expected Full, got {other:?}"),
         }
-        expect_replay(
-            &store,
-            &req(&Scope::anonymous(), &key("b"), fp("b"), MIN),
-            &big("b"),
-        )
-        .await;
-        expect_replay(
-            &store,
-            &req(&Scope::anonymous(), &key("c"), fp("c"), MIN),
-            &big("c"),
-        )
-        .await;
+        expect_replay(&store, &named("b", MIN), &big("b")).await;
+        expect_replay(&store, &named("c", MIN), &big("c")).await;
         h.advance(2 * SEC).await; // past the original 1 s lease, inside the extended one
         match store
             .get(&Scope::anonymous(), &key("huge"))
@@ -267,12 +231,7 @@ mod memory_tests {
     /// evicted as stale at its old lease end (that would let a second run start).
     #[tokio::test]
     async fn extended_claim_is_not_evicted_at_its_old_lease_end() {
-        let h = MemoryHarness::with_limits(MemoryLimits {
-            max_entries: 2,
-            max_bytes: usize::MAX,
-            evict_live_results: true,
-        });
-        let store = h.store();
+        let (h, store) = evicting(2, usize::MAX);
         let Ok(Begin::Acquired(lease)) = claim(&store, "long", SEC).await else {
             panic!("acquire");
         };
@@ -280,15 +239,9 @@ mod memory_tests {
         done(&store, "result", MIN).await;
         h.advance(2 * SEC).await; // past the claim's first lease end
                                   // Full: the live result goes, never the extended claim.
-        assert!(matches!(
-            claim(&store, "next", MIN).await,
-            Ok(Begin::Acquired(_))
-        ));
+        acquires(&store, "next", MIN).await;
         in_flight(&store, "long").await;
-        match claim(&store, "more", MIN).await {
-            Err(StoreError::Full { .. }) => {}
-            other => panic!("expected Full, got {other:?}"),
-        }
+        refused_full(&store, "more").await;
         in_flight(&store, "long").await;
         store
             .complete(&lease, &response("long"), MIN)

@@ -8,7 +8,7 @@ use idem_sql::patterns::{InsertOrGet, SqlValue, StateMachine, Transition};
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool};
-use sqlx::{Connection, Row};
+use sqlx::{Connection, FromRow};
 
 use crate::{Error, Result};
 
@@ -32,24 +32,18 @@ macro_rules! with_conn {
 /// Runs `$body` inside a transaction `$tx` (committed when the body returns
 /// `Ok`, rolled back otherwise).
 macro_rules! with_tx {
+    (@in $pool:expr, $tx:ident => $body:expr) => {{
+        let mut $tx = $pool.begin().await.map_err($crate::Error::from)?;
+        let out = $body;
+        if out.is_ok() {
+            $tx.commit().await.map_err($crate::Error::from)?;
+        }
+        out
+    }};
     ($db:expr, $tx:ident => $body:expr) => {
         match $db {
-            $crate::db::Db::Sqlite(pool) => {
-                let mut $tx = pool.begin().await.map_err($crate::Error::from)?;
-                let out = $body;
-                if out.is_ok() {
-                    $tx.commit().await.map_err($crate::Error::from)?;
-                }
-                out
-            }
-            $crate::db::Db::Postgres(pool) => {
-                let mut $tx = pool.begin().await.map_err($crate::Error::from)?;
-                let out = $body;
-                if out.is_ok() {
-                    $tx.commit().await.map_err($crate::Error::from)?;
-                }
-                out
-            }
+            $crate::db::Db::Sqlite(pool) => with_tx!(@in pool, $tx => $body),
+            $crate::db::Db::Postgres(pool) => with_tx!(@in pool, $tx => $body),
         }
     };
 }
@@ -77,8 +71,8 @@ pub enum Db {
     Postgres(PgPool),
 }
 
-/// An order as stored and as answered (JSON).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// An order as stored and as answered (JSON); decoded from its row by column name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct Order {
     /// Row id.
     pub id: i64,
@@ -268,26 +262,6 @@ impl Db {
 const ORDER_COLUMNS: &str =
     "id, outer_order_no, amount_cents, status, attempt, fence, charge_id, created_at, updated_at";
 
-fn order_from_row<R: Row>(row: &R) -> Result<Order>
-where
-    for<'a> &'a str: sqlx::ColumnIndex<R>,
-    i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    Option<i64>: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    String: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    Ok(Order {
-        id: row.try_get("id")?,
-        outer_order_no: row.try_get("outer_order_no")?,
-        amount_cents: row.try_get("amount_cents")?,
-        status: row.try_get("status")?,
-        attempt: row.try_get("attempt")?,
-        fence: row.try_get("fence")?,
-        charge_id: row.try_get("charge_id")?,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-    })
-}
-
 /// What [`Orders::create`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CreateOutcome {
@@ -386,7 +360,7 @@ impl Orders {
         let sql = format!("SELECT {ORDER_COLUMNS} FROM orders WHERE id = $1");
         with_conn!(&self.db, conn => {
             match sqlx::query(&sql).bind(id).fetch_optional(&mut *conn).await? {
-                Some(row) => Ok(Some(order_from_row(&row)?)),
+                Some(row) => Ok(Some(Order::from_row(&row)?)),
                 None => Ok(None),
             }
         })

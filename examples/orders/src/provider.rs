@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use serde::Serialize;
-use sqlx::Row;
+use sqlx::{FromRow, Row};
 
 use crate::db::{now_ms, with_tx, Db};
 use crate::{Error, Result};
@@ -54,8 +54,8 @@ impl Simulate {
     }
 }
 
-/// One entry of the provider's ledger: a charge.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One entry of the provider's ledger: a charge; decoded from its row by column name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct Charge {
     /// Ledger row id.
     pub id: i64,
@@ -158,7 +158,7 @@ impl Provider {
             } else if let Some(row) = sqlx::query(&select).bind(key).fetch_optional(&mut *tx).await? {
                 let outcome: String = row.try_get("outcome")?;
                 if outcome == "charged" {
-                    Ok(ChargeOutcome::Charged { charge: charge_from_row(&row)?, new: false })
+                    Ok(ChargeOutcome::Charged { charge: Charge::from_row(&row)?, new: false })
                 } else {
                     Ok(ChargeOutcome::Declined)
                 }
@@ -174,7 +174,7 @@ impl Provider {
                     .fetch_one(&mut *tx)
                     .await?;
                 if outcome == "charged" {
-                    Ok(ChargeOutcome::Charged { charge: charge_from_row(&row)?, new: true })
+                    Ok(ChargeOutcome::Charged { charge: Charge::from_row(&row)?, new: true })
                 } else {
                     Ok(ChargeOutcome::Declined)
                 }
@@ -213,23 +213,7 @@ impl Provider {
         let db = &self.db;
         crate::db::with_conn!(db, conn => {
             let rows = sqlx::query(&sql).bind(order_id).fetch_all(&mut *conn).await?;
-            rows.iter().map(charge_from_row).collect()
+            rows.iter().map(|r| Ok(Charge::from_row(r)?)).collect()
         })
     }
-}
-
-fn charge_from_row<R: Row>(row: &R) -> Result<Charge>
-where
-    for<'a> &'a str: sqlx::ColumnIndex<R>,
-    i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    String: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    Ok(Charge {
-        id: row.try_get("id")?,
-        order_id: row.try_get("order_id")?,
-        amount_cents: row.try_get("amount_cents")?,
-        provider_key: row.try_get("provider_key")?,
-        fence: row.try_get("fence")?,
-        created_at: row.try_get("created_at")?,
-    })
 }

@@ -34,6 +34,17 @@ fn assert_one_charge(s: &Server, charges: &[Value], id: i64) {
     assert_eq!(charges[0]["order_id"], id);
 }
 
+/// Pays order `id` with `key`, expects it PAID with exactly one charge;
+/// returns the reply and the charges.
+async fn expect_paid_once(s: &Server, id: i64, key: &str) -> (common::Reply, Vec<Value>) {
+    let r = s.pay(id, key, None).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body["status"], status::PAID);
+    let charges = s.charges(id).await;
+    assert_one_charge(s, &charges, id);
+    (r, charges)
+}
+
 /// The story: the provider charges, its answer is lost, the service
 /// answers 504 and leaves the order PAYING; the client retries with the
 /// same key, the service calls the provider with the same derived key and
@@ -114,11 +125,7 @@ async fn twenty_concurrent_pays_with_one_key_charge_once(b: Backend) {
         }
     }
     // Whatever the answers, the order is paid once.
-    let after = s.pay(id, &key, None).await;
-    assert_eq!(after.status, 200, "{after:?}");
-    assert_eq!(after.body["status"], status::PAID);
-    let charges = s.charges(id).await;
-    assert_one_charge(&s, &charges, id);
+    expect_paid_once(&s, id, &key).await;
     Arc::try_unwrap(s).ok().expect("sole owner").finish().await;
 }
 
@@ -145,11 +152,7 @@ async fn twenty_concurrent_pays_with_different_keys_charge_once(b: Backend) {
             assert_eq!(r.body["status"], status::PAID, "{r:?}");
         }
     }
-    let late = s.pay(id, &fresh_key("late"), None).await;
-    assert_eq!(late.status, 200, "{late:?}");
-    assert_eq!(late.body["status"], status::PAID);
-    let charges = s.charges(id).await;
-    assert_one_charge(&s, &charges, id);
+    expect_paid_once(&s, id, &fresh_key("late")).await;
     Arc::try_unwrap(s).ok().expect("sole owner").finish().await;
 }
 
@@ -161,12 +164,8 @@ async fn declined_then_retry_with_a_new_key_charges_once(b: Backend) {
     assert_eq!(declined.body["status"], status::PAYMENT_FAILED);
     assert!(s.charges(id).await.is_empty());
 
-    let retry = s.pay(id, &fresh_key("retry"), None).await;
-    assert_eq!(retry.status, 200, "{retry:?}");
-    assert_eq!(retry.body["status"], status::PAID);
+    let (retry, charges) = expect_paid_once(&s, id, &fresh_key("retry")).await;
     assert_eq!(retry.body["attempt"], 2, "a new attempt after a decline");
-    let charges = s.charges(id).await;
-    assert_one_charge(&s, &charges, id);
     assert_eq!(charges[0]["provider_key"], provider_key(id, 2));
     assert_eq!(charges[0]["amount_cents"], 1234);
 

@@ -73,57 +73,76 @@ fn parse(msg: &Message) -> Result<PaymentCaptured, BoxError> {
     Ok(p)
 }
 
-#[async_trait]
-impl TxHandler<sqlx::Sqlite> for Credit {
-    async fn handle(
-        &self,
-        tx: &mut Transaction<'static, sqlx::Sqlite>,
-        msg: &Message,
-    ) -> Result<(), BoxError> {
-        let p = parse(msg)?;
-        sqlx::query("INSERT INTO credits (payment_id, account, amount_cents) VALUES (?1, ?2, ?3)")
-            .bind(&p.payment_id)
-            .bind(&p.account)
-            .bind(p.amount_cents)
-            .execute(&mut **tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO accounts (account, balance_cents) VALUES (?1, ?2) \
-             ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
-        )
-        .bind(&p.account)
-        .bind(p.amount_cents)
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
-    }
+/// `TxHandler<$db> for Credit`, with the two statements in `$db`'s
+/// placeholder syntax: insert the credit, then add it to the balance.
+macro_rules! credit_handler {
+    ($db:ty, $insert_credit:literal, $add_to_balance:literal) => {
+        #[async_trait]
+        impl TxHandler<$db> for Credit {
+            async fn handle(
+                &self,
+                tx: &mut Transaction<'static, $db>,
+                msg: &Message,
+            ) -> Result<(), BoxError> {
+                let p = parse(msg)?;
+                sqlx::query($insert_credit)
+                    .bind(&p.payment_id)
+                    .bind(&p.account)
+                    .bind(p.amount_cents)
+                    .execute(&mut **tx)
+                    .await?;
+                sqlx::query($add_to_balance)
+                    .bind(&p.account)
+                    .bind(p.amount_cents)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }
+        }
+    };
 }
 
-#[async_trait]
-impl TxHandler<sqlx::Postgres> for Credit {
-    async fn handle(
-        &self,
-        tx: &mut Transaction<'static, sqlx::Postgres>,
-        msg: &Message,
-    ) -> Result<(), BoxError> {
-        let p = parse(msg)?;
-        sqlx::query("INSERT INTO credits (payment_id, account, amount_cents) VALUES ($1, $2, $3)")
-            .bind(&p.payment_id)
-            .bind(&p.account)
-            .bind(p.amount_cents)
-            .execute(&mut **tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2) \
-             ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
-        )
-        .bind(&p.account)
-        .bind(p.amount_cents)
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
-    }
+/// Creates the ledger's tables on `$pool`, then the inbox over it
+/// (migrated) with the [`Credit`] handler.
+macro_rules! ledger_inbox {
+    ($pool:expr) => {{
+        let pool = $pool;
+        for s in SCHEMA {
+            sqlx::query(s).execute(&pool).await?;
+        }
+        let inbox = Inbox::with_options(pool, InboxOptions::default())?;
+        inbox.migrate().await?;
+        SqlInbox::new(inbox, Credit)
+    }};
 }
+
+/// One `sqlx::query_scalar` on a [`Ledger`]'s pool: the statement in the
+/// pool's placeholder syntax (`$sqlite` or `$postgres`), bound to `$arg`,
+/// fetched with `$fetch` (`fetch_one`, `fetch_optional`).
+macro_rules! ledger_scalar {
+    (@on $pool:expr, $sql:literal, $arg:expr, $fetch:ident) => {
+        sqlx::query_scalar($sql).bind($arg).$fetch($pool).await?
+    };
+    ($ledger:expr, $sqlite:literal, $postgres:literal, $arg:expr, $fetch:ident) => {
+        match $ledger {
+            Ledger::Sqlite(p) => ledger_scalar!(@on p.inbox().pool(), $sqlite, $arg, $fetch),
+            Ledger::Postgres(p) => ledger_scalar!(@on p.inbox().pool(), $postgres, $arg, $fetch),
+        }
+    };
+}
+
+credit_handler!(
+    sqlx::Sqlite,
+    "INSERT INTO credits (payment_id, account, amount_cents) VALUES (?1, ?2, ?3)",
+    "INSERT INTO accounts (account, balance_cents) VALUES (?1, ?2) \
+     ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents"
+);
+credit_handler!(
+    sqlx::Postgres,
+    "INSERT INTO credits (payment_id, account, amount_cents) VALUES ($1, $2, $3)",
+    "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2) \
+     ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents"
+);
 
 const SCHEMA: [&str; 2] = [
     "CREATE TABLE IF NOT EXISTS accounts (account VARCHAR(255) PRIMARY KEY, balance_cents BIGINT NOT NULL)",
@@ -155,23 +174,13 @@ impl Ledger {
             let pool = sqlx::sqlite::SqlitePoolOptions::new()
                 .connect_with(opts)
                 .await?;
-            for s in SCHEMA {
-                sqlx::query(s).execute(&pool).await?;
-            }
-            let inbox = Inbox::with_options(pool, InboxOptions::default())?;
-            inbox.migrate().await?;
-            Ok(Self::Sqlite(SqlInbox::new(inbox, Credit)))
+            Ok(Self::Sqlite(ledger_inbox!(pool)))
         } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .acquire_timeout(Duration::from_secs(10))
                 .connect(url)
                 .await?;
-            for s in SCHEMA {
-                sqlx::query(s).execute(&pool).await?;
-            }
-            let inbox = Inbox::with_options(pool, InboxOptions::default())?;
-            inbox.migrate().await?;
-            Ok(Self::Postgres(SqlInbox::new(inbox, Credit)))
+            Ok(Self::Postgres(ledger_inbox!(pool)))
         } else {
             Err(Error::UnsupportedUrl(url.to_owned()))
         }
@@ -182,20 +191,13 @@ impl Ledger {
     /// # Errors
     /// [`Error::Database`].
     pub async fn balance(&self, account: &str) -> Result<i64, Error> {
-        let b: Option<i64> = match self {
-            Ledger::Sqlite(p) => {
-                sqlx::query_scalar("SELECT balance_cents FROM accounts WHERE account = ?1")
-                    .bind(account)
-                    .fetch_optional(p.inbox().pool())
-                    .await?
-            }
-            Ledger::Postgres(p) => {
-                sqlx::query_scalar("SELECT balance_cents FROM accounts WHERE account = $1")
-                    .bind(account)
-                    .fetch_optional(p.inbox().pool())
-                    .await?
-            }
-        };
+        let b: Option<i64> = ledger_scalar!(
+            self,
+            "SELECT balance_cents FROM accounts WHERE account = ?1",
+            "SELECT balance_cents FROM accounts WHERE account = $1",
+            account,
+            fetch_optional
+        );
         Ok(b.unwrap_or(0))
     }
 
@@ -205,20 +207,13 @@ impl Ledger {
     /// # Errors
     /// [`Error::Database`].
     pub async fn credits_for(&self, payment_id: &str) -> Result<i64, Error> {
-        Ok(match self {
-            Ledger::Sqlite(p) => {
-                sqlx::query_scalar("SELECT count(*) FROM credits WHERE payment_id = ?1")
-                    .bind(payment_id)
-                    .fetch_one(p.inbox().pool())
-                    .await?
-            }
-            Ledger::Postgres(p) => {
-                sqlx::query_scalar("SELECT count(*) FROM credits WHERE payment_id = $1")
-                    .bind(payment_id)
-                    .fetch_one(p.inbox().pool())
-                    .await?
-            }
-        })
+        Ok(ledger_scalar!(
+            self,
+            "SELECT count(*) FROM credits WHERE payment_id = ?1",
+            "SELECT count(*) FROM credits WHERE payment_id = $1",
+            payment_id,
+            fetch_one
+        ))
     }
 
     /// Deletes inbox rows older than `age` (see the retention warning in

@@ -1,4 +1,5 @@
-//! Shared by `multi_instance.rs` and `outage.rs`: an upstream that counts
+//! Shared by the process tests (`gateway_process.rs`, `multi_instance.rs`,
+//! `outage.rs`, `demo.rs`, `e2e_python.rs`): an upstream that counts
 //! executions per `Idempotency-Key`, `idem gateway` child processes
 //! (killed on drop), reachability checks for the shared servers, unique
 //! names for test data, and best-effort cleanup.
@@ -110,6 +111,19 @@ pub fn unique(label: &str) -> String {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() % 1_000_000_000_000);
     format!("{label}_{}_{micros}", std::process::id())
+}
+
+/// The standard output and error of a finished child, after asserting
+/// that it succeeded (`what` names it in the failure, with both outputs).
+pub fn succeeded(out: &std::process::Output, what: &str) -> (String, String) {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    (stdout, stderr)
 }
 
 /// Runs a cleanup command; a failure is reported, never fatal.
@@ -370,6 +384,17 @@ struct Counts {
     per_key: Mutex<HashMap<String, usize>>,
 }
 
+/// Serves `app` on a free loopback port; returns its `http://` URL and the
+/// server's task (abort it to stop).
+pub async fn serve(app: Router) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (url, task)
+}
+
 /// An upstream that counts executions per `Idempotency-Key`: `POST /pay`
 /// sleeps `?ms=` (default 100) and answers 201 with a body unique to the
 /// execution, so a replay can be told from a second run.
@@ -415,11 +440,7 @@ impl Upstream {
                 ),
             )
             .with_state(counts.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (url, task) = serve(app).await;
         Self { url, counts, task }
     }
 
@@ -541,6 +562,42 @@ impl GatewayProc {
     /// Whether the process is still the one started (not exited).
     pub fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    pub fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    /// SIGKILL: no chance to clean up.
+    pub fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// Sends `sig` (e.g. `-TERM`) with `kill`.
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.pid()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} failed");
+    }
+
+    /// Waits for the process to exit by itself.
+    pub async fn wait_exit(&mut self, bound: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + bound;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "gateway did not exit within {bound:?}:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// The JSON of `GET /_idem/health` and its status.

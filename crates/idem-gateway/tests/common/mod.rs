@@ -1,25 +1,24 @@
 //! Test harness: a real upstream (axum on an ephemeral port, or a raw TCP
 //! server for broken connections), an in-process gateway on 127.0.0.1:0,
-//! and a store wrapper that fails on demand.
-#![allow(dead_code, unreachable_pub, missing_docs)]
+//! and the testkit's fault store ([`FaultyStore`]) re-exported.
+#![allow(dead_code, unused_imports, unreachable_pub, missing_docs)]
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, Method, StatusCode, Uri};
+pub use axum::http::Method;
+use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{self, any, get};
 use axum::Router;
-use idem_core::{
-    Begin, BeginRequest, DynStore, IdempotencyKey, Lease, MemoryStore, Phase, Record, Scope, Store,
-    StoreError, StoredResponse,
-};
+pub use idem_core::MemoryStore;
+use idem_core::{DynStore, Store};
 use idem_gateway::{Gateway, GatewayConfig};
+pub use idem_testkit::faulty::{Fault, FaultyStore, Op};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -418,6 +417,17 @@ pub async fn raw_upstream(action: RawAction) -> RawUpstream {
     }
 }
 
+/// A raw upstream doing `action`, and a gateway in front of it (memory
+/// store) configured by `tweak`.
+pub async fn raw_rig(
+    action: RawAction,
+    tweak: impl FnOnce(&mut GatewayConfig),
+) -> (RawUpstream, TestGateway) {
+    let raw = raw_upstream(action).await;
+    let gw = gateway(&format!("http://{}", raw.addr), tweak).await;
+    (raw, gw)
+}
+
 /// A running in-process gateway; shut down (gracefully) on drop.
 pub struct TestGateway {
     pub addr: SocketAddr,
@@ -485,6 +495,82 @@ pub async fn gateway(upstream: &str, tweak: impl FnOnce(&mut GatewayConfig)) -> 
     let mut c = config(upstream);
     tweak(&mut c);
     gateway_with(c, Arc::new(MemoryStore::new())).await
+}
+
+/// An upstream, a gateway with a memory store in front of it, and a client:
+/// what most tests start with.
+pub struct Rig {
+    pub up: TestUpstream,
+    pub gw: TestGateway,
+    pub c: reqwest::Client,
+}
+
+/// Starts a [`Rig`], the gateway configured by `tweak`.
+pub async fn rig(tweak: impl FnOnce(&mut GatewayConfig)) -> Rig {
+    let up = upstream().await;
+    let gw = gateway(&up.url(), tweak).await;
+    Rig {
+        up,
+        gw,
+        c: client(),
+    }
+}
+
+/// Like [`rig`], with the gateway on `store`.
+pub async fn rig_with<S: Store + Clone>(store: S, tweak: impl FnOnce(&mut GatewayConfig)) -> Rig {
+    let up = upstream().await;
+    let mut cfg = config(&up.url());
+    tweak(&mut cfg);
+    let gw = gateway_with(cfg, Arc::new(store)).await;
+    Rig {
+        up,
+        gw,
+        c: client(),
+    }
+}
+
+/// Like [`rig`], with the gateway on a [`FaultyStore`] over a memory
+/// store, returned beside it to arm faults on.
+pub async fn faulty_rig(tweak: impl FnOnce(&mut GatewayConfig)) -> (Rig, FaultyStore<MemoryStore>) {
+    let store = FaultyStore::new(MemoryStore::new());
+    (rig_with(store.clone(), tweak).await, store)
+}
+
+/// Sends `method url` with `headers` (repeats kept) and `body`, read to the end.
+pub async fn send(
+    c: &reqwest::Client,
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Got {
+    let mut r = c.request(method, url).body(body.to_owned());
+    for (name, value) in headers {
+        r = r.header(*name, *value);
+    }
+    read(r.send().await.unwrap()).await
+}
+
+/// GETs `url`, read to the end.
+pub async fn fetch(c: &reqwest::Client, url: &str) -> Got {
+    read(c.get(url).send().await.unwrap()).await
+}
+
+/// A client that gives up after `ms` milliseconds.
+pub fn impatient(ms: u64) -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_millis(ms))
+        .build()
+        .unwrap()
+}
+
+/// POSTs `{}` with key `k` to `url` from a client that gives up after
+/// `ms` milliseconds, and expects it to give up (the call goes on).
+pub async fn give_up_on(url: &str, k: &str, ms: u64) {
+    let gone = post_request(&impatient(ms), url, Some(k), "{}")
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client was meant to give up");
 }
 
 pub fn client() -> reqwest::Client {
@@ -567,14 +653,36 @@ pub async fn read(resp: reqwest::Response) -> Got {
 
 /// POSTs `body` to `url` with an `Idempotency-Key` (when given).
 pub async fn post(c: &reqwest::Client, url: &str, key: Option<&str>, body: &str) -> Got {
-    let mut r = c
+    read(post_request(c, url, key, body).send().await.unwrap()).await
+}
+
+/// The request [`post`] sends.
+pub fn post_request(
+    c: &reqwest::Client,
+    url: &str,
+    key: Option<&str>,
+    body: &str,
+) -> reqwest::RequestBuilder {
+    let r = c
         .post(url)
         .header("content-type", "application/json")
         .body(body.to_owned());
-    if let Some(k) = key {
-        r = r.header("idempotency-key", k);
+    match key {
+        Some(k) => r.header("idempotency-key", k),
+        None => r,
     }
-    read(r.send().await.unwrap()).await
+}
+
+/// POSTs `{}` with key `k` to `url` twice: the first runs (201), the
+/// second is its replay. Returns the first.
+pub async fn runs_then_replays(c: &reqwest::Client, url: &str, k: &str) -> Got {
+    let first = post(c, url, Some(k), "{}").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(
+        post(c, url, Some(k), "{}").await.replayed(),
+        "{k} was not replayed"
+    );
+    first
 }
 
 /// A free port on 127.0.0.1 (bound, read, closed).
@@ -586,87 +694,12 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Which failure a [`SwitchStore`] injects into `begin` and `get`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Healthy,
-    Unavailable,
-    Corrupt,
-}
+/// The calls a store outage is armed on in these tests: `begin` and `get`
+/// (a store that went away, or a record that does not decode).
+pub const BEGIN_AND_GET: [Op; 2] = [Op::Begin, Op::Get];
 
-/// A memory store whose `begin`/`get` fail on demand (a store that went
-/// away, or a record that does not decode), counting `begin` calls.
-#[derive(Debug, Clone)]
-pub struct SwitchStore {
-    pub inner: MemoryStore,
-    mode: Arc<AtomicU8>,
-    pub begins: Arc<AtomicUsize>,
-}
-
-#[derive(Debug)]
-struct Injected;
-impl std::fmt::Display for Injected {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("connection refused (injected)")
-    }
-}
-impl std::error::Error for Injected {}
-
-impl SwitchStore {
-    pub fn new() -> Self {
-        Self {
-            inner: MemoryStore::new(),
-            mode: Arc::new(AtomicU8::new(0)),
-            begins: Arc::new(AtomicUsize::new(0)),
-        }
-    }
-    pub fn set(&self, m: Mode) {
-        self.mode.store(m as u8, Ordering::SeqCst);
-    }
-    fn fail(&self, phase: Phase) -> Result<(), StoreError> {
-        match self.mode.load(Ordering::SeqCst) {
-            1 => Err(StoreError::unavailable(phase, Injected)),
-            2 => Err(StoreError::Corrupt {
-                phase,
-                detail: "unknown response format version 9".into(),
-            }),
-            _ => Ok(()),
-        }
-    }
-}
-
-#[async_trait]
-impl Store for SwitchStore {
-    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
-        self.begins.fetch_add(1, Ordering::SeqCst);
-        self.fail(Phase::Begin)?;
-        self.inner.begin(req).await
-    }
-    async fn complete(
-        &self,
-        lease: &Lease,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.complete(lease, response, ttl).await
-    }
-    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.inner.release(lease).await
-    }
-    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
-        self.inner.extend(lease, lease_for).await
-    }
-    async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        self.fail(Phase::Get)?;
-        self.inner.get(scope, key).await
-    }
-    async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.inner.delete(scope, key).await
-    }
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.inner.purge_expired().await
-    }
-}
+/// The detail of an injected [`Fault::Corrupt`].
+pub const UNDECODABLE: &str = "unknown response format version 9";
 
 /// Waits until `cond` holds, polling every 20 ms, for at most `bound`.
 pub async fn eventually(bound: Duration, mut cond: impl FnMut() -> bool) -> bool {
@@ -682,12 +715,8 @@ pub async fn eventually(bound: Duration, mut cond: impl FnMut() -> bool) -> bool
 
 /// An error and its sources, `outer: inner: innermost`.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
+    std::iter::successors(Some(e), |e| e.source())
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
 }
