@@ -6,7 +6,8 @@
 For every crate under crates/ and examples/, each top-level module (src/foo.rs
 or src/foo/**) is a node; a reference `crate::bar::...` (in a `use` or in an
 expression, braces expanded) from a file of module `foo` is an edge foo -> bar.
-A name the crate root re-exports (`pub use bar::Item;` in lib.rs) counts as an
+Unit tests (`#[cfg(test)] mod tests { ... }`) are left out. A name
+the crate root re-exports (`pub use bar::Item;` in lib.rs) counts as an
 edge to `bar` too. Items defined in lib.rs itself belong to no module, and
 references inside one module (its own submodules, `super::`) are not edges.
 
@@ -23,8 +24,15 @@ IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
 def strip_comments(text):
+    """The code without comments and without `#[cfg(test)] mod name { ... }` blocks."""
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    return re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r"//[^\n]*", "", text)
+    while True:
+        m = re.search(r"#\[cfg\(test\)\]\s*mod\s+" + IDENT + r"\s*\{", text)
+        if not m:
+            return text
+        _, end = brace_group(text, m.end() - 1)
+        text = text[: m.start()] + text[end + 1 :]
 
 
 def brace_group(text, start):

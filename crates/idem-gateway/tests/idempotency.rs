@@ -282,7 +282,10 @@ async fn reset_mid_response_body_past_the_retention_limit_truncates_and_complete
     // first caller sees a truncated body and a duplicate gets 410.
     let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n".to_vec();
     answer.extend_from_slice(&[b'x'; 40]);
-    let (raw, gw) = raw_rig(RawAction::WriteAndClose(answer), |c| c.layer.retention_limit = 16).await;
+    let (raw, gw) = raw_rig(RawAction::WriteAndClose(answer), |c| {
+        c.layer.retention_limit = 16
+    })
+    .await;
     let c = client();
     let k = key("reset-big");
     let resp = c
