@@ -27,6 +27,7 @@ use idem_testkit::faulty::{Fault, FaultyStore, Op};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -278,6 +279,15 @@ async fn serve(layer: IdempotencyLayer) -> (SocketAddr, App) {
     (addr, app)
 }
 
+/// Serves the app behind a layer with `lease` on a store whose clock the
+/// test moves by hand.
+async fn serve_on_clock(lease: Duration) -> (ManualClock, MemoryStore, SocketAddr, App) {
+    let clock = ManualClock::starting_now();
+    let store = MemoryStore::new().with_clock(clock.clone());
+    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_lease(lease)).await;
+    (clock, store, addr, app)
+}
+
 // ---------------------------------------------------------------- the client
 
 #[derive(Debug)]
@@ -351,6 +361,38 @@ fn request(method: Method, path: &str) -> http::request::Builder {
         .method(method)
         .uri(path)
         .header(header::HOST, "idem.test")
+}
+
+/// A `method` request to `path` with key `key` and `body`.
+fn keyed(method: Method, path: &str, key: &str, body: &'static [u8]) -> Request<Full<Bytes>> {
+    request(method, path)
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(body)))
+        .unwrap()
+}
+
+/// A POST to /orders with key `key`, answered after `delay_ms`, as the
+/// router itself takes it (no connection).
+fn slow_order(key: &str, delay_ms: &str) -> Request<AxumBody> {
+    Request::builder()
+        .method(Method::POST)
+        .uri("/orders")
+        .header("idempotency-key", key)
+        .header("x-delay-ms", delay_ms)
+        .body(AxumBody::from("{}"))
+        .unwrap()
+}
+
+/// Spawns a keyed POST to /gated and returns once the handler runs (and
+/// waits for the gate).
+async fn start_gated(addr: SocketAddr, app: &App, key: &'static str) -> JoinHandle<Reply> {
+    let first = tokio::spawn(async move { send(addr, post_json("/gated", Some(key), "{}")).await });
+    eventually("the gated handler to start", || {
+        let n = app.calls();
+        async move { n == 1 }
+    })
+    .await;
+    first
 }
 
 /// A POST with a JSON body and (optionally) a key.
@@ -488,12 +530,7 @@ async fn replay_is_faithful_d1() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_body_replays_byte_for_byte() {
     let (addr, app) = serve(IdempotencyLayer::new(MemoryStore::new())).await;
-    let req = || {
-        request(Method::POST, "/binary")
-            .header("idempotency-key", "bin-1")
-            .body(Full::new(Bytes::from_static(b"\x01\x02")))
-            .unwrap()
-    };
+    let req = || keyed(Method::POST, "/binary", "bin-1", b"\x01\x02");
     let first = send(addr, req()).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(
@@ -848,13 +885,7 @@ async fn a_streamed_response_over_the_limit_completes_before_it_ends() {
 async fn wait_mode_returns_the_replay() {
     let (addr, app) =
         serve(IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::from_secs(5))).await;
-    let first =
-        tokio::spawn(async move { send(addr, post_json("/gated", Some("wait"), "{}")).await });
-    eventually("the first request to start", || {
-        let n = app.calls();
-        async move { n == 1 }
-    })
-    .await;
+    let first = start_gated(addr, &app, "wait").await;
     let dup =
         tokio::spawn(async move { send(addr, post_json("/gated", Some("wait"), "{}")).await });
     tokio::time::sleep(Duration::from_millis(150)).await;
@@ -875,13 +906,7 @@ async fn wait_mode_gives_409_when_the_bound_passes() {
     let (addr, app) =
         serve(IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::from_millis(200)))
             .await;
-    let first =
-        tokio::spawn(async move { send(addr, post_json("/gated", Some("w409"), "{}")).await });
-    eventually("the first request to start", || {
-        let n = app.calls();
-        async move { n == 1 }
-    })
-    .await;
+    let first = start_gated(addr, &app, "w409").await;
     let started = std::time::Instant::now();
     let dup = send(addr, post_json("/gated", Some("w409"), "{}")).await;
     assert!(started.elapsed() >= Duration::from_millis(190));
@@ -894,17 +919,8 @@ async fn wait_mode_gives_409_when_the_bound_passes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_flight_is_409_with_retry_after_rounded_up() {
-    let clock = ManualClock::starting_now();
-    let store = MemoryStore::new().with_clock(clock.clone());
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_millis(2500))).await;
-    let first =
-        tokio::spawn(async move { send(addr, post_json("/gated", Some("a2"), "{}")).await });
-    eventually("the handler to start", || {
-        let n = app.calls();
-        async move { n == 1 }
-    })
-    .await;
+    let (clock, _store, addr, app) = serve_on_clock(Duration::from_millis(2500)).await;
+    let first = start_gated(addr, &app, "a2").await;
     let dup = send(addr, post_json("/gated", Some("a2"), "{}")).await;
     assert_eq!(dup.status, StatusCode::CONFLICT);
     assert_eq!(dup.problem(), "urn:idem:problem:in-flight");
@@ -957,13 +973,7 @@ async fn a_dropped_service_future_does_not_cancel_the_run() {
     let store = MemoryStore::new();
     let app = App::default();
     let svc = router(app.clone()).layer(IdempotencyLayer::new(store.clone()));
-    let req = Request::builder()
-        .method(Method::POST)
-        .uri("/orders")
-        .header("idempotency-key", "dropped")
-        .header("x-delay-ms", "300")
-        .body(AxumBody::from("{}"))
-        .unwrap();
+    let req = slow_order("dropped", "300");
     // The future is dropped after 50 ms, mid-handler.
     let cut = tokio::time::timeout(Duration::from_millis(50), svc.clone().oneshot(req)).await;
     assert!(cut.is_err());
@@ -985,13 +995,7 @@ async fn the_tracker_waits_for_runs_whose_callers_left() {
     let layer = IdempotencyLayer::new(store.clone()).with_tracker(tracker.clone());
     assert!(layer.tracker().is_empty());
     let svc = router(app.clone()).layer(layer);
-    let req = Request::builder()
-        .method(Method::POST)
-        .uri("/orders")
-        .header("idempotency-key", "tracked")
-        .header("x-delay-ms", "400")
-        .body(AxumBody::from("{}"))
-        .unwrap();
+    let req = slow_order("tracked", "400");
     // The caller leaves after 50 ms, mid-handler; the run goes on, tracked.
     let cut = tokio::time::timeout(Duration::from_millis(50), svc.oneshot(req)).await;
     assert!(cut.is_err());
@@ -1012,20 +1016,13 @@ async fn get_passes_through_untouched() {
     let store = MemoryStore::new();
     let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
     for n in 1..=2 {
-        let req = request(Method::GET, "/orders")
-            .header("idempotency-key", "same")
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let r = send(addr, req).await;
+        let r = send(addr, keyed(Method::GET, "/orders", "same", b"")).await;
         assert_eq!(r.status, StatusCode::OK);
         assert!(!r.replayed());
         assert_eq!(r.body, format!("read {n}"));
     }
     // Even a malformed key is not looked at on an unguarded method.
-    let req = request(Method::GET, "/orders")
-        .header("idempotency-key", "\"broken")
-        .body(Full::new(Bytes::new()))
-        .unwrap();
+    let req = keyed(Method::GET, "/orders", "\"broken", b"");
     assert_eq!(send(addr, req).await.status, StatusCode::OK);
     assert_eq!(app.calls(), 3);
     assert!(store.is_empty());
@@ -1037,12 +1034,7 @@ async fn guarded_methods_are_configurable() {
     let (addr, app) =
         serve(IdempotencyLayer::new(store.clone()).with_methods(vec![Method::POST, Method::PUT]))
             .await;
-    let put_req = || {
-        request(Method::PUT, "/upload")
-            .header("idempotency-key", "put-1")
-            .body(Full::new(Bytes::from_static(b"abc")))
-            .unwrap()
-    };
+    let put_req = || keyed(Method::PUT, "/upload", "put-1", b"abc");
     let a = send(addr, put_req()).await;
     let b = send(addr, put_req()).await;
     assert!(!a.replayed() && b.replayed());
@@ -1051,10 +1043,7 @@ async fn guarded_methods_are_configurable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disposition_overrides_the_policy() {
-    let clock = ManualClock::starting_now();
-    let store = MemoryStore::new().with_clock(clock.clone());
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(5))).await;
+    let (clock, _store, addr, app) = serve_on_clock(Duration::from_secs(5)).await;
     // A 502 marked Hold: the key stays in flight until its lease ends.
     let first = send(addr, post_json("/hold", Some("hold"), "{}")).await;
     assert_eq!(first.status, StatusCode::BAD_GATEWAY);
@@ -1075,10 +1064,7 @@ async fn disposition_overrides_the_policy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_fails_while_buffered_is_a_502_and_holds_the_key_b3() {
-    let clock = ManualClock::starting_now();
-    let store = MemoryStore::new().with_clock(clock.clone());
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(5))).await;
+    let (clock, store, addr, app) = serve_on_clock(Duration::from_secs(5)).await;
     // The body fails within the retention limit, while the layer still
     // buffers it: nothing was sent yet, so the first caller gets a complete
     // 502 problem instead of a 200 with a truncated body.
@@ -1132,10 +1118,7 @@ async fn a_body_that_fails_past_the_retention_limit_is_truncated_and_completed()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_handler_is_500_and_frees_the_key_at_lease_end() {
-    let clock = ManualClock::starting_now();
-    let store = MemoryStore::new().with_clock(clock.clone());
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(5))).await;
+    let (clock, _store, addr, app) = serve_on_clock(Duration::from_secs(5)).await;
     let r = send(addr, post_json("/panic", Some("p"), "{}")).await;
     assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(r.problem(), "urn:idem:problem:internal");
