@@ -152,15 +152,11 @@ async fn fail_open_forwards_unprotected_when_begin_fails() {
 
     let k = key("open");
     let body = r#"{"amount": 10}"#;
-    let r = send(
+    let r = post_as(
         &c,
-        Method::POST,
         &gw.url("/echo?x=1"),
-        &[
-            ("idempotency-key", &k),
-            ("content-type", "application/json"),
-            ("authorization", "Bearer a"),
-        ],
+        &k,
+        &[("authorization", "Bearer a")],
         body,
     )
     .await;
