@@ -279,6 +279,16 @@ async fn serve(layer: IdempotencyLayer) -> (SocketAddr, App) {
     (addr, app)
 }
 
+/// Serves the app behind a layer on a fresh memory store, the layer's
+/// settings made by `with`.
+async fn serve_on_memory(
+    with: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+) -> (MemoryStore, SocketAddr, App) {
+    let store = MemoryStore::new();
+    let (addr, app) = serve(with(IdempotencyLayer::new(store.clone()))).await;
+    (store, addr, app)
+}
+
 /// Serves the app behind a layer with `lease` on a store whose clock the
 /// test moves by hand.
 async fn serve_on_clock(lease: Duration) -> (ManualClock, MemoryStore, SocketAddr, App) {
@@ -286,6 +296,15 @@ async fn serve_on_clock(lease: Duration) -> (ManualClock, MemoryStore, SocketAdd
     let store = MemoryStore::new().with_clock(clock.clone());
     let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_lease(lease)).await;
     (clock, store, addr, app)
+}
+
+/// The app behind a layer on a fresh memory store, to call in process
+/// (no connection).
+fn in_process() -> (MemoryStore, App, Router) {
+    let store = MemoryStore::new();
+    let app = App::default();
+    let svc = router(app.clone()).layer(IdempotencyLayer::new(store.clone()));
+    (store, app, svc)
 }
 
 // ---------------------------------------------------------------- the client
@@ -435,12 +454,18 @@ fn completed(r: &Option<Record>) -> Option<&StoredResponse> {
     }
 }
 
+/// `r` is a replay of `original`: `status`, marked replayed, the same body.
+fn assert_replay(r: &Reply, status: StatusCode, original: &Reply) {
+    assert_eq!(r.status, status, "{r:?}");
+    assert!(r.replayed(), "{r:?}");
+    assert_eq!(r.body, original.body);
+}
+
 // ---------------------------------------------------------------- tests
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_concurrent_duplicates_execute_once() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (_store, addr, app) = serve_on_memory(|l| l).await;
     let mut tasks = Vec::new();
     for _ in 0..50 {
         tasks.push(tokio::spawn(async move {
@@ -486,16 +511,13 @@ async fn fifty_concurrent_duplicates_execute_once() {
         post_json("/orders", Some("charge-50"), r#"{ "amount" : 10 }"#),
     )
     .await;
-    assert_eq!(again.status, StatusCode::CREATED);
-    assert!(again.replayed());
-    assert_eq!(again.body, original.body);
+    assert_replay(&again, StatusCode::CREATED, original);
     assert_eq!(app.calls(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_is_faithful_d1() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     let first = send(
         addr,
         post_json("/orders", Some("\"d1\""), r#"{"item":"book"}"#),
@@ -556,9 +578,7 @@ async fn a_406_is_replayed_as_406_c2() {
     let first = send(addr, post_json("/not-acceptable", Some("c2"), "{}")).await;
     let again = send(addr, post_json("/not-acceptable", Some("c2"), "{}")).await;
     assert_eq!(first.status, StatusCode::NOT_ACCEPTABLE);
-    assert_eq!(again.status, StatusCode::NOT_ACCEPTABLE);
-    assert!(again.replayed());
-    assert_eq!(again.body, first.body);
+    assert_replay(&again, StatusCode::NOT_ACCEPTABLE, &first);
     assert_eq!(again.json()["error"], "not acceptable");
     assert_eq!(app.calls(), 1);
 }
@@ -628,8 +648,7 @@ async fn mismatch_while_in_flight_is_422_not_409() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_keys_are_400_and_touch_nothing_e1() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     let too_long = "k".repeat(256);
     let cases: Vec<(&[u8], &str)> = vec![
         (b"", "invalid-key"),
@@ -692,8 +711,7 @@ async fn bad_keys_are_400_and_touch_nothing_e1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn require_key_refuses_requests_without_one() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_require_key(true)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_require_key(true)).await;
     let r = send(addr, post_json("/orders", None, "{}")).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.problem(), "urn:idem:problem:key-required");
@@ -759,8 +777,7 @@ async fn several_authorization_fields_scope_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_5xx_is_released_and_the_retry_runs_once_more_c1() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     let first = send(addr, post_json("/flaky", Some("c1"), "{}")).await;
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(!first.replayed());
@@ -777,8 +794,7 @@ async fn a_5xx_is_released_and_the_retry_runs_once_more_c1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_request_bodies_are_413_before_any_work() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_max_body(1024)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_max_body(1024)).await;
     // With Content-Length.
     let r = send(
         addr,
@@ -819,8 +835,7 @@ async fn oversized_request_bodies_are_413_before_any_work() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_over_the_retention_limit_are_410_on_replay() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_retention_limit(1024)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_retention_limit(1024)).await;
     let first = send(addr, post_json("/big", Some("big-resp"), "{}")).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(
@@ -857,8 +872,7 @@ async fn responses_over_the_retention_limit_are_410_on_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_response_over_the_limit_completes_before_it_ends() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_retention_limit(1024)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_retention_limit(1024)).await;
     let stream = TcpStream::connect(addr).await.unwrap();
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
@@ -895,9 +909,7 @@ async fn wait_mode_returns_the_replay() {
     let dup = dup.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.replayed());
-    assert_eq!(dup.status, StatusCode::CREATED);
-    assert!(dup.replayed());
-    assert_eq!(dup.body, first.body);
+    assert_replay(&dup, StatusCode::CREATED, &first);
     assert_eq!(app.calls(), 1);
 }
 
@@ -938,8 +950,7 @@ async fn in_flight_is_409_with_retry_after_rounded_up() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_does_not_cancel_the_run_d2() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     let body = r#"{"amount":5}"#;
     let raw = format!(
         "POST /orders HTTP/1.1\r\nHost: idem.test\r\nIdempotency-Key: d2\r\n\
@@ -970,9 +981,7 @@ async fn a_client_that_disconnects_does_not_cancel_the_run_d2() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_service_future_does_not_cancel_the_run() {
     use tower::ServiceExt;
-    let store = MemoryStore::new();
-    let app = App::default();
-    let svc = router(app.clone()).layer(IdempotencyLayer::new(store.clone()));
+    let (store, app, svc) = in_process();
     let req = slow_order("dropped", "300");
     // The future is dropped after 50 ms, mid-handler.
     let cut = tokio::time::timeout(Duration::from_millis(50), svc.clone().oneshot(req)).await;
@@ -1013,8 +1022,7 @@ async fn the_tracker_waits_for_runs_whose_callers_left() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_passes_through_untouched() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     for n in 1..=2 {
         let r = send(addr, keyed(Method::GET, "/orders", "same", b"")).await;
         assert_eq!(r.status, StatusCode::OK);
@@ -1030,10 +1038,8 @@ async fn get_passes_through_untouched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarded_methods_are_configurable() {
-    let store = MemoryStore::new();
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_methods(vec![Method::POST, Method::PUT]))
-            .await;
+    let (_store, addr, app) =
+        serve_on_memory(|l| l.with_methods(vec![Method::POST, Method::PUT])).await;
     let put_req = || keyed(Method::PUT, "/upload", "put-1", b"abc");
     let a = send(addr, put_req()).await;
     let b = send(addr, put_req()).await;
@@ -1104,8 +1110,7 @@ async fn a_body_that_fails_while_buffered_is_a_502_and_holds_the_key_b3() {
 async fn a_body_that_fails_past_the_retention_limit_is_truncated_and_completed() {
     // Past the limit the layer has already completed the key (without the
     // body) and streams on: a later failure can only cut the stream short.
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_retention_limit(1024)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_retention_limit(1024)).await;
     let first = try_send(addr, post_json("/broken-big-stream", Some("b3-big"), "{}")).await;
     assert!(first.is_err(), "the failure reaches the client: {first:?}");
     let rec = anon_key(&store, "b3-big").await;
@@ -1133,9 +1138,7 @@ async fn a_panicking_handler_is_500_and_frees_the_key_at_lease_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_body_that_fails_is_400_and_leaves_the_key_untouched() {
     use tower::ServiceExt;
-    let store = MemoryStore::new();
-    let app = App::default();
-    let svc = router(app.clone()).layer(IdempotencyLayer::new(store.clone()));
+    let (store, app, svc) = in_process();
     let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = vec![
         Ok(Frame::data(Bytes::from_static(b"{\"amount\":"))),
         Err(std::io::Error::new(
