@@ -108,6 +108,15 @@ async fn assert_failed_and_held(
     a
 }
 
+/// A raw upstream that writes `answer` and closes the socket, and a
+/// gateway in front of it with a 5 s lease.
+async fn breaking_rig(answer: &[u8]) -> (RawUpstream, TestGateway) {
+    raw_rig(RawAction::WriteAndClose(answer.to_vec()), |c| {
+        c.layer.lease = Duration::from_secs(5)
+    })
+    .await
+}
+
 fn assert_in_flight(r: &Got) {
     assert_eq!(r.status, 409, "{}", r.text());
     assert_eq!(r.problem_type(), "urn:idem:problem:in-flight");
@@ -162,9 +171,22 @@ async fn fifty_concurrent_duplicates_execute_once() {
     assert_eq!(up.hits(), 1);
 }
 
-#[tokio::test]
-async fn a1_two_concurrent_copies_run_once_and_the_other_gets_409() {
-    assert_copy_refused_while_running("a1", "/slow?ms=500", Duration::from_millis(100)).await;
+/// One test per case of [`assert_copy_refused_while_running`]: name, key
+/// label, the slow route, the gap between the copies.
+macro_rules! copy_refused_while_running {
+    ($($name:ident: $label:literal, $url:literal, $gap:expr;)*) => {$(
+        #[tokio::test]
+        async fn $name() {
+            assert_copy_refused_while_running($label, $url, $gap).await;
+        }
+    )*};
+}
+
+copy_refused_while_running! {
+    a1_two_concurrent_copies_run_once_and_the_other_gets_409:
+        "a1", "/slow?ms=500", Duration::from_millis(100);
+    a2_duplicate_during_a_three_second_call_gets_409:
+        "a2", "/slow?ms=3000", Duration::from_secs(1);
 }
 
 #[tokio::test]
@@ -184,11 +206,6 @@ async fn a1_in_wait_mode_the_duplicate_gets_the_replay() {
     assert!(b.replayed());
     assert_eq!(a.body, b.body);
     assert_eq!(up.hits(), 1);
-}
-
-#[tokio::test]
-async fn a2_duplicate_during_a_three_second_call_gets_409() {
-    assert_copy_refused_while_running("a2", "/slow?ms=3000", Duration::from_secs(1)).await;
 }
 
 #[tokio::test]
@@ -278,11 +295,7 @@ async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_
 #[tokio::test]
 async fn reset_mid_response_headers_is_a_held_502() {
     // The upstream starts an answer and closes the socket half-way through its head.
-    let (raw, gw) = raw_rig(
-        RawAction::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Ty".to_vec()),
-        |c| c.layer.lease = Duration::from_secs(5),
-    )
-    .await;
+    let (raw, gw) = breaking_rig(b"HTTP/1.1 200 OK\r\nContent-Ty").await;
     let c = client();
     assert_failed_and_held(&c, &gw, &raw, &key("reset")).await;
 }
@@ -290,11 +303,7 @@ async fn reset_mid_response_headers_is_a_held_502() {
 #[tokio::test]
 async fn reset_mid_response_body_holds_the_key() {
     // Headers and part of the body arrive, then the upstream closes the socket.
-    let (raw, gw) = raw_rig(
-        RawAction::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial".to_vec()),
-        |c| c.layer.lease = Duration::from_secs(5),
-    )
-    .await;
+    let (raw, gw) = breaking_rig(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial").await;
     let c = client();
     // The body broke while the layer buffered it for the store, before a
     // byte was sent: the first caller gets a complete 502 problem, not the
@@ -597,7 +606,7 @@ async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
     let a = post(&c, &url, Some(&k), "{}").await;
     assert_eq!(a.status, 504, "{}", a.text());
     assert_eq!(a.problem_type(), "urn:idem:problem:upstream-timeout");
-    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_within(t0, Duration::from_secs(2), "the upstream timeout");
     // The first call may still land: no second execution inside the lease.
     let b = post(&c, &url, Some(&k), "{}").await;
     assert_in_flight(&b);

@@ -492,6 +492,20 @@ pub async fn faulty_rig(tweak: impl FnOnce(&mut GatewayConfig)) -> (Rig, FaultyS
     (rig_with(store.clone(), tweak).await, store)
 }
 
+/// The request `method url` with `headers` (repeats kept).
+fn with_headers(
+    c: &reqwest::Client,
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+) -> reqwest::RequestBuilder {
+    headers
+        .iter()
+        .fold(c.request(method, url), |r, (name, value)| {
+            r.header(*name, *value)
+        })
+}
+
 /// Sends `method url` with `headers` (repeats kept) and `body`, read to the end.
 pub async fn send(
     c: &reqwest::Client,
@@ -500,11 +514,14 @@ pub async fn send(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Got {
-    let mut r = c.request(method, url).body(body.to_owned());
-    for (name, value) in headers {
-        r = r.header(*name, *value);
-    }
+    let r = with_headers(c, method, url, headers).body(body.to_owned());
     read(r.send().await.unwrap()).await
+}
+
+/// Sends `method url` with `headers` (repeats kept) and no body, read to
+/// the end.
+pub async fn call(c: &reqwest::Client, method: Method, url: &str, headers: &[(&str, &str)]) -> Got {
+    read(with_headers(c, method, url, headers).send().await.unwrap()).await
 }
 
 /// GETs `url`, read to the end.
@@ -712,6 +729,12 @@ pub async fn eventually(bound: Duration, mut cond: impl FnMut() -> bool) -> bool
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     cond()
+}
+
+/// Asserts that less than `bound` passed since `t0`; `what` names the wait.
+pub fn assert_within(t0: std::time::Instant, bound: Duration, what: &str) {
+    let took = t0.elapsed();
+    assert!(took < bound, "{what}: took {took:?}, over {bound:?}");
 }
 
 /// An error and its sources, `outer: inner: innermost`.
