@@ -20,6 +20,103 @@ async fn two_copies(c: &reqwest::Client, url: &str, k: &str, gap: Duration) -> (
     })
 }
 
+/// The headers that name one caller (an Authorization, an API key).
+type Caller<'a> = &'a [(&'a str, &'a str)];
+
+/// Callers `a` and `b` POST to `url` with the same key `k`: two executions,
+/// neither sees the other's response, and each replay is its own.
+async fn assert_callers_kept_apart(
+    c: &reqwest::Client,
+    up: &TestUpstream,
+    url: &str,
+    k: &str,
+    (a, b): (Caller<'_>, Caller<'_>),
+) {
+    let first_a = post_as(c, url, k, a, "{}").await;
+    let first_b = post_as(c, url, k, b, "{}").await;
+    assert_eq!((first_a.status, first_b.status), (201, 201));
+    assert!(
+        !first_a.replayed() && !first_b.replayed(),
+        "b got a's response"
+    );
+    assert_ne!(first_a.body, first_b.body);
+    assert_eq!(up.hits(), 2, "two callers, two executions");
+    let again_a = post_as(c, url, k, a, "{}").await;
+    let again_b = post_as(c, url, k, b, "{}").await;
+    assert!(again_a.replayed() && again_b.replayed());
+    assert_eq!(again_a.body, first_a.body);
+    assert_eq!(again_b.body, first_b.body);
+    assert_eq!(up.hits(), 2, "the same caller again: replayed");
+}
+
+/// Two copies of one keyed POST to `url`, `gap` apart, while the first
+/// runs: the first runs (200), the copy is refused as in flight, and the
+/// upstream ran once.
+async fn assert_copy_refused_while_running(label: &str, url: &str, gap: Duration) {
+    let Rig { up, gw, c } = rig(|_| {}).await;
+    let (a, b) = two_copies(&c, &gw.url(url), &key(label), gap).await;
+    assert_eq!(a.status, 200);
+    assert!(!a.replayed());
+    assert_in_flight(&b);
+    assert_eq!(up.hits(), 1);
+}
+
+/// POSTs `{}` with key `k` to `url` twice: the first runs and answers
+/// `status`, the second replays it (status, body and, when given, content
+/// type) without a second execution. Returns the first.
+async fn assert_replayed(
+    Rig { up, gw, c }: &Rig,
+    url: &str,
+    k: &str,
+    status: u16,
+    content_type: Option<&str>,
+) -> Got {
+    let first = post(c, &gw.url(url), Some(k), "{}").await;
+    assert_eq!(first.status, status, "{}", first.text());
+    assert!(!first.replayed());
+    let again = post(c, &gw.url(url), Some(k), "{}").await;
+    assert!(
+        again.replayed(),
+        "the response was not stored: {}",
+        again.status
+    );
+    assert_eq!(again.status, status);
+    assert_eq!(again.body, first.body);
+    if let Some(ct) = content_type {
+        assert_eq!(again.header("content-type").as_deref(), Some(ct));
+    }
+    assert_eq!(up.hits(), 1);
+    first
+}
+
+/// A keyed POST to the raw upstream's /pay fails with 502
+/// `upstream-failed` after one execution, and the key is then held: a copy
+/// gets 409 and does not run. Returns the 502.
+async fn assert_failed_and_held(
+    c: &reqwest::Client,
+    gw: &TestGateway,
+    raw: &RawUpstream,
+    k: &str,
+) -> Got {
+    let a = post(c, &gw.url("/pay"), Some(k), "{}").await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(a.problem_type(), "urn:idem:problem:upstream-failed");
+    assert_eq!(raw.hits(), 1);
+    // The request was sent: its effect is unknown, so no second run inside the lease.
+    assert_in_flight(&post(c, &gw.url("/pay"), Some(k), "{}").await);
+    assert_eq!(raw.hits(), 1);
+    a
+}
+
+/// A raw upstream that writes `answer` and closes the socket, and a
+/// gateway in front of it with a 5 s lease.
+async fn breaking_rig(answer: &[u8]) -> (RawUpstream, TestGateway) {
+    raw_rig(RawAction::WriteAndClose(answer.to_vec()), |c| {
+        c.layer.lease = Duration::from_secs(5)
+    })
+    .await
+}
+
 fn assert_in_flight(r: &Got) {
     assert_eq!(r.status, 409, "{}", r.text());
     assert_eq!(r.problem_type(), "urn:idem:problem:in-flight");
@@ -74,16 +171,22 @@ async fn fifty_concurrent_duplicates_execute_once() {
     assert_eq!(up.hits(), 1);
 }
 
-#[tokio::test]
-async fn a1_two_concurrent_copies_run_once_and_the_other_gets_409() {
-    let Rig { up, gw, c } = rig(|_| {}).await;
-    let k = key("a1");
-    let url = gw.url("/slow?ms=500");
-    let (a, b) = two_copies(&c, &url, &k, Duration::from_millis(100)).await;
-    assert_eq!(a.status, 200);
-    assert!(!a.replayed());
-    assert_in_flight(&b);
-    assert_eq!(up.hits(), 1);
+/// One test per case of [`assert_copy_refused_while_running`]: name, key
+/// label, the slow route, the gap between the copies.
+macro_rules! copy_refused_while_running {
+    ($($name:ident: $label:literal, $url:literal, $gap:expr;)*) => {$(
+        #[tokio::test]
+        async fn $name() {
+            assert_copy_refused_while_running($label, $url, $gap).await;
+        }
+    )*};
+}
+
+copy_refused_while_running! {
+    a1_two_concurrent_copies_run_once_and_the_other_gets_409:
+        "a1", "/slow?ms=500", Duration::from_millis(100);
+    a2_duplicate_during_a_three_second_call_gets_409:
+        "a2", "/slow?ms=3000", Duration::from_secs(1);
 }
 
 #[tokio::test]
@@ -102,17 +205,6 @@ async fn a1_in_wait_mode_the_duplicate_gets_the_replay() {
     assert!(!a.replayed());
     assert!(b.replayed());
     assert_eq!(a.body, b.body);
-    assert_eq!(up.hits(), 1);
-}
-
-#[tokio::test]
-async fn a2_duplicate_during_a_three_second_call_gets_409() {
-    let Rig { up, gw, c } = rig(|_| {}).await;
-    let k = key("a2");
-    let url = gw.url("/slow?ms=3000");
-    let (a, b) = two_copies(&c, &url, &k, Duration::from_secs(1)).await;
-    assert_eq!(a.status, 200);
-    assert_in_flight(&b);
     assert_eq!(up.hits(), 1);
 }
 
@@ -141,43 +233,23 @@ async fn d1_replay_keeps_status_location_etag_cookies_and_body() {
 
 #[tokio::test]
 async fn binary_bodies_replay_byte_for_byte() {
-    let Rig { up, gw, c } = rig(|_| {}).await;
-    let k = key("bin");
-    let first = post(&c, &gw.url("/binary"), Some(&k), "{}").await;
-    assert_eq!(first.status, 200);
+    let rig = rig(|_| {}).await;
+    let ct = Some("application/octet-stream");
+    let first = assert_replayed(&rig, "/binary", &key("bin"), 200, ct).await;
     assert!(
         std::str::from_utf8(&first.body).is_err(),
         "the test body must not be UTF-8"
     );
-    let again = post(&c, &gw.url("/binary"), Some(&k), "{}").await;
-    assert!(again.replayed());
-    assert_eq!(again.body, first.body);
-    assert_eq!(
-        again.header("content-type").as_deref(),
-        Some("application/octet-stream")
-    );
-    assert_eq!(up.hits(), 1);
 }
 
 #[tokio::test]
 async fn b3_chunked_upstream_response_is_stored() {
-    let mem = MemoryStore::new();
-    let Rig { up, gw, c } = rig_with(mem.clone(), |_| {}).await;
-    let k = key("b3");
-    let first = post(&c, &gw.url("/chunked"), Some(&k), "{}").await;
-    assert_eq!(first.status, 200);
+    let rig = rig_with(MemoryStore::new(), |_| {}).await;
+    let first = assert_replayed(&rig, "/chunked", &key("b3"), 200, None).await;
     assert_eq!(
         first.text(),
         "chunk0-of-execution-1;chunk1-of-execution-1;chunk2-of-execution-1;"
     );
-    let again = post(&c, &gw.url("/chunked"), Some(&k), "{}").await;
-    assert!(
-        again.replayed(),
-        "the chunked response was not stored: {}",
-        again.status
-    );
-    assert_eq!(again.body, first.body);
-    assert_eq!(up.hits(), 1);
 }
 
 #[tokio::test]
@@ -209,14 +281,7 @@ async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_
     .await;
     let c = client();
     let k = key("c1-broken");
-    let a = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
-    assert_eq!(a.status, 502, "{}", a.text());
-    assert_eq!(a.problem_type(), "urn:idem:problem:upstream-failed");
-    assert_eq!(raw.hits(), 1);
-    // The request was sent: its effect is unknown, so no second run inside the lease.
-    let b = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
-    assert_in_flight(&b);
-    assert_eq!(raw.hits(), 1);
+    assert_failed_and_held(&c, &gw, &raw, &k).await;
     tokio::time::sleep(Duration::from_millis(1300)).await;
     let d = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
     assert_eq!(d.status, 502);
@@ -230,36 +295,21 @@ async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_
 #[tokio::test]
 async fn reset_mid_response_headers_is_a_held_502() {
     // The upstream starts an answer and closes the socket half-way through its head.
-    let (raw, gw) = raw_rig(
-        RawAction::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Ty".to_vec()),
-        |c| c.layer.lease = Duration::from_secs(5),
-    )
-    .await;
+    let (raw, gw) = breaking_rig(b"HTTP/1.1 200 OK\r\nContent-Ty").await;
     let c = client();
-    let k = key("reset");
-    let a = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
-    assert_eq!(a.status, 502);
-    assert_eq!(a.problem_type(), "urn:idem:problem:upstream-failed");
-    assert_in_flight(&post(&c, &gw.url("/pay"), Some(&k), "{}").await);
-    assert_eq!(raw.hits(), 1);
+    assert_failed_and_held(&c, &gw, &raw, &key("reset")).await;
 }
 
 #[tokio::test]
 async fn reset_mid_response_body_holds_the_key() {
     // Headers and part of the body arrive, then the upstream closes the socket.
-    let (raw, gw) = raw_rig(
-        RawAction::WriteAndClose(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial".to_vec()),
-        |c| c.layer.lease = Duration::from_secs(5),
-    )
-    .await;
+    let (raw, gw) = breaking_rig(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial").await;
     let c = client();
-    let k = key("reset-body");
     // The body broke while the layer buffered it for the store, before a
     // byte was sent: the first caller gets a complete 502 problem, not the
-    // upstream's 200 with a truncated body ...
-    let a = post(&c, &gw.url("/pay"), Some(&k), "{}").await;
-    assert_eq!(a.status, 502, "{}", a.text());
-    assert_eq!(a.problem_type(), "urn:idem:problem:upstream-failed");
+    // upstream's 200 with a truncated body, and the key is held: the
+    // upstream may have acted.
+    let a = assert_failed_and_held(&c, &gw, &raw, &key("reset-body")).await;
     assert_eq!(
         a.header("content-type").as_deref(),
         Some("application/problem+json")
@@ -270,9 +320,6 @@ async fn reset_mid_response_body_holds_the_key() {
         "{detail}"
     );
     assert!(!a.text().contains("partial"), "the partial body leaked");
-    // ... and the key is held: the upstream may have acted.
-    assert_in_flight(&post(&c, &gw.url("/pay"), Some(&k), "{}").await);
-    assert_eq!(raw.hits(), 1);
 }
 
 #[tokio::test]
@@ -331,54 +378,19 @@ async fn scope_header_flag_keeps_api_keys_apart() {
     let gw = gateway_with(config, Arc::new(MemoryStore::new())).await;
     let c = client();
     let k = key("scope-header");
-    let send = |api_key: &'static str| {
-        let c = c.clone();
-        let (url, k) = (gw.url("/orders"), k.clone());
-        async move {
-            read(
-                c.post(url)
-                    .header("idempotency-key", k)
-                    .header("x-api-key", api_key)
-                    // Not part of the scope any more.
-                    .header("authorization", "Bearer shared")
-                    .header("content-type", "application/json")
-                    .body("{}")
-                    .send()
-                    .await
-                    .unwrap(),
-            )
-            .await
-        }
-    };
-    let a = send("key-a").await;
-    let b = send("key-b").await;
-    assert_eq!((a.status, b.status), (201, 201));
-    assert!(!a.replayed() && !b.replayed(), "b got a's response");
-    assert_ne!(a.body, b.body);
-    assert_eq!(up.hits(), 2, "two callers, two executions");
-    let a2 = send("key-a").await;
-    let b2 = send("key-b").await;
-    assert!(a2.replayed() && b2.replayed());
-    assert_eq!(a2.body, a.body);
-    assert_eq!(b2.body, b.body);
-    assert_eq!(up.hits(), 2, "same X-Api-Key: replayed");
+    // The same Authorization: not part of the scope any more.
+    let callers: (Caller, Caller) = (
+        &[("x-api-key", "key-a"), ("authorization", "Bearer shared")],
+        &[("x-api-key", "key-b"), ("authorization", "Bearer shared")],
+    );
+    assert_callers_kept_apart(&c, &up, &gw.url("/orders"), &k, callers).await;
 }
 
 #[tokio::test]
 async fn c2_406_is_replayed_as_406_with_its_body() {
-    let Rig { up, gw, c } = rig(|_| {}).await;
-    let k = key("c2");
-    let a = post(&c, &gw.url("/status/406"), Some(&k), "{}").await;
-    assert_eq!(a.status, 406);
-    let b = post(&c, &gw.url("/status/406"), Some(&k), "{}").await;
-    assert_eq!(b.status, 406);
-    assert!(b.replayed());
-    assert_eq!(b.body, a.body);
-    assert_eq!(
-        b.header("content-type").as_deref(),
-        Some("application/json")
-    );
-    assert_eq!(up.hits(), 1);
+    let rig = rig(|_| {}).await;
+    let ct = Some("application/json");
+    assert_replayed(&rig, "/status/406", &key("c2"), 406, ct).await;
 }
 
 #[tokio::test]
@@ -499,14 +511,11 @@ async fn e2_same_key_on_another_path_body_or_method_is_422() {
     assert_eq!(other_path.problem_type(), "urn:idem:problem:key-mismatch");
     let other_body = post(&c, &gw.url("/orders"), Some(&k), r#"{"n":2}"#).await;
     assert_eq!(other_body.status, 422);
-    let other_method = send(
+    let other_method = send_json(
         &c,
         Method::PATCH,
         &gw.url("/orders"),
-        &[
-            ("idempotency-key", &k),
-            ("content-type", "application/json"),
-        ],
+        Some(&k),
         r#"{"n":1}"#,
     )
     .await;
@@ -530,35 +539,11 @@ async fn e2_same_key_on_another_path_body_or_method_is_422() {
 async fn e3_callers_with_different_credentials_do_not_share_keys() {
     let Rig { up, gw, c } = rig(|_| {}).await;
     let k = key("e3");
-    let send = |auth: &'static str| {
-        let c = c.clone();
-        let (url, k) = (gw.url("/orders"), k.clone());
-        async move {
-            read(
-                c.post(url)
-                    .header("idempotency-key", k)
-                    .header("authorization", auth)
-                    .header("content-type", "application/json")
-                    .body("{}")
-                    .send()
-                    .await
-                    .unwrap(),
-            )
-            .await
-        }
-    };
-    let alice = send("Bearer alice").await;
-    let bob = send("Bearer bob").await;
-    assert_eq!((alice.status, bob.status), (201, 201));
-    assert!(!bob.replayed(), "bob got alice's response");
-    assert_ne!(alice.body, bob.body);
-    assert_eq!(up.hits(), 2);
-    let alice2 = send("Bearer alice").await;
-    let bob2 = send("Bearer bob").await;
-    assert!(alice2.replayed() && bob2.replayed());
-    assert_eq!(alice2.body, alice.body);
-    assert_eq!(bob2.body, bob.body);
-    assert_eq!(up.hits(), 2);
+    let callers: (Caller, Caller) = (
+        &[("authorization", "Bearer alice")],
+        &[("authorization", "Bearer bob")],
+    );
+    assert_callers_kept_apart(&c, &up, &gw.url("/orders"), &k, callers).await;
 }
 
 #[tokio::test]
@@ -621,7 +606,7 @@ async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
     let a = post(&c, &url, Some(&k), "{}").await;
     assert_eq!(a.status, 504, "{}", a.text());
     assert_eq!(a.problem_type(), "urn:idem:problem:upstream-timeout");
-    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_within(t0, Duration::from_secs(2), "the upstream timeout");
     // The first call may still land: no second execution inside the lease.
     let b = post(&c, &url, Some(&k), "{}").await;
     assert_in_flight(&b);

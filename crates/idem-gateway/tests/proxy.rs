@@ -58,16 +58,8 @@ async fn upstream_path_prefix_is_prepended() {
 async fn x_forwarded_for_is_appended_and_host_rewritten() {
     let up = upstream().await;
     let gw = gateway(&up.url(), |_| {}).await;
-    let r = read(
-        client()
-            .get(gw.url("/echo"))
-            .header("x-forwarded-for", "203.0.113.9")
-            .header("host", "shop.example")
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
+    let forwarded = [("x-forwarded-for", "203.0.113.9"), ("host", "shop.example")];
+    let r = call(&client(), Method::GET, &gw.url("/echo"), &forwarded).await;
     assert_eq!(r.status, 200);
     let seen = up.last_seen();
     assert_eq!(seen.headers["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
@@ -194,12 +186,11 @@ async fn get_passes_through_unguarded_even_with_a_key() {
     let Rig { up, gw, c } = rig_with(mem.clone(), |_| {}).await;
     let k = key("get");
     for i in 1..=2 {
-        let r = read(
-            c.get(gw.url("/items"))
-                .header("idempotency-key", &k)
-                .send()
-                .await
-                .unwrap(),
+        let r = call(
+            &c,
+            Method::GET,
+            &gw.url("/items"),
+            &[("idempotency-key", &k)],
         )
         .await;
         assert_eq!(r.status, 200);
@@ -298,14 +289,8 @@ async fn health_endpoint_reports_the_store_and_is_never_proxied() {
     );
     assert_eq!(r.problem_type(), "urn:idem:problem:not-found");
 
-    let r = read(
-        c.post(gw.url("/_idem/health"))
-            .header("idempotency-key", "k")
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
+    let keyed = [("idempotency-key", "k")];
+    let r = call(&c, Method::POST, &gw.url("/_idem/health"), &keyed).await;
     assert_eq!(r.status, 405);
     assert_eq!(r.header("allow").as_deref(), Some("GET, HEAD"));
 
@@ -454,23 +439,12 @@ async fn shutdown_gives_up_on_a_left_run_after_the_grace() {
         c
     };
     let mut gw = gateway_with(gw_cfg, Arc::new(MemoryStore::new())).await;
-    let impatient = impatient(100);
-    let gone = impatient
-        .post(gw.url("/slow?ms=5000"))
-        .header("idempotency-key", key("grace"))
-        .body("{}")
-        .send()
-        .await;
-    assert!(gone.is_err());
+    give_up_on(&gw.url("/slow?ms=5000"), &key("grace"), 100).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     let t0 = Instant::now();
     gw.signal_shutdown();
     gw.task.take().unwrap().await.unwrap().unwrap();
-    assert!(
-        t0.elapsed() < Duration::from_secs(3),
-        "the grace bounds the wait: {:?}",
-        t0.elapsed()
-    );
+    assert_within(t0, Duration::from_secs(3), "the grace bounds the wait");
 }
 
 #[tokio::test]
@@ -485,9 +459,10 @@ async fn idle_keep_alive_connections_do_not_block_shutdown() {
     assert!(String::from_utf8_lossy(&resp).starts_with("HTTP/1.1 200"));
     let t0 = Instant::now();
     gw.stop().await.unwrap();
-    assert!(
-        t0.elapsed() < Duration::from_secs(5),
-        "shutdown waited on an idle connection"
+    assert_within(
+        t0,
+        Duration::from_secs(5),
+        "shutdown waited on an idle connection",
     );
     let mut buf = [0u8; 16];
     assert_eq!(
@@ -569,11 +544,7 @@ async fn open_store_schemes() {
             ) => {}
             other => panic!("{url}: {other:?}"),
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(8),
-            "{url} took {:?}",
-            started.elapsed()
-        );
+        assert_within(started, Duration::from_secs(8), &url);
     }
 }
 

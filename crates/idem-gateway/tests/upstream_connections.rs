@@ -129,21 +129,22 @@ async fn closing_upstream(idle_close: Duration) -> ClosingUpstream {
     }
 }
 
-/// `n` sequential keyed POSTs, `gap` apart, through a gateway with
-/// `--upstream-idle-timeout idle` in front of an upstream that closes a
-/// connection idle for `upstream_idle`; the upstream and the statuses.
+/// `n` sequential keyed POSTs, `gap_ms` apart, through a gateway with
+/// `--upstream-idle-timeout` of `idle_ms` in front of an upstream that
+/// closes a connection idle for `upstream_idle_ms` (all in milliseconds);
+/// the upstream and the statuses.
 async fn posts_through(
-    upstream_idle: Duration,
-    idle: Duration,
+    upstream_idle_ms: u64,
+    idle_ms: u64,
     n: usize,
-    gap: Duration,
+    gap_ms: u64,
 ) -> (ClosingUpstream, Vec<u16>) {
-    let up = closing_upstream(upstream_idle).await;
+    let up = closing_upstream(Duration::from_millis(upstream_idle_ms)).await;
     let gw = gateway(&format!("http://{}", up.addr), |c| {
-        c.upstream_idle_timeout = idle;
+        c.upstream_idle_timeout = Duration::from_millis(idle_ms);
     })
     .await;
-    let statuses = sequential_posts(&gw, n, gap).await;
+    let statuses = sequential_posts(&gw, n, Duration::from_millis(gap_ms)).await;
     (up, statuses)
 }
 
@@ -163,13 +164,7 @@ async fn sequential_posts(gw: &TestGateway, n: usize, gap: Duration) -> Vec<u16>
 /// no 502 and no held key.
 #[tokio::test]
 async fn idle_pooled_connections_are_not_reused_past_the_idle_timeout() {
-    let (up, statuses) = posts_through(
-        Duration::from_millis(150),
-        Duration::from_millis(50),
-        20,
-        Duration::from_millis(200),
-    )
-    .await;
+    let (up, statuses) = posts_through(150, 50, 20, 200).await;
     assert!(statuses.iter().all(|&s| s == 201), "{statuses:?}");
     assert_eq!(up.answered.load(Ordering::SeqCst), 20);
     assert!(up.connections.load(Ordering::SeqCst) >= 20);
@@ -178,13 +173,7 @@ async fn idle_pooled_connections_are_not_reused_past_the_idle_timeout() {
 /// Back-to-back requests still share one pooled connection.
 #[tokio::test]
 async fn busy_connections_are_still_reused() {
-    let (up, statuses) = posts_through(
-        Duration::from_millis(300),
-        Duration::from_millis(100),
-        10,
-        Duration::ZERO,
-    )
-    .await;
+    let (up, statuses) = posts_through(300, 100, 10, 0).await;
     assert!(statuses.iter().all(|&s| s == 201), "{statuses:?}");
     assert!(
         up.connections.load(Ordering::SeqCst) < 10,
@@ -198,12 +187,6 @@ async fn busy_connections_are_still_reused() {
 /// fails and the caller gets 502 `upstream-failed`.
 #[tokio::test]
 async fn control_a_long_idle_timeout_hits_the_race() {
-    let (_up, statuses) = posts_through(
-        Duration::from_millis(150),
-        Duration::from_secs(30),
-        2,
-        Duration::from_millis(200),
-    )
-    .await;
+    let (_up, statuses) = posts_through(150, 30_000, 2, 200).await;
     assert_eq!(statuses, vec![201, 502]);
 }

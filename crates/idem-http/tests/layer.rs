@@ -27,6 +27,7 @@ use idem_testkit::faulty::{Fault, FaultyStore, Op};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -278,6 +279,34 @@ async fn serve(layer: IdempotencyLayer) -> (SocketAddr, App) {
     (addr, app)
 }
 
+/// Serves the app behind a layer on a fresh memory store, the layer's
+/// settings made by `with`.
+async fn serve_on_memory(
+    with: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+) -> (MemoryStore, SocketAddr, App) {
+    let store = MemoryStore::new();
+    let (addr, app) = serve(with(IdempotencyLayer::new(store.clone()))).await;
+    (store, addr, app)
+}
+
+/// Serves the app behind a layer with `lease` on a store whose clock the
+/// test moves by hand.
+async fn serve_on_clock(lease: Duration) -> (ManualClock, MemoryStore, SocketAddr, App) {
+    let clock = ManualClock::starting_now();
+    let store = MemoryStore::new().with_clock(clock.clone());
+    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_lease(lease)).await;
+    (clock, store, addr, app)
+}
+
+/// The app behind a layer on a fresh memory store, to call in process
+/// (no connection).
+fn in_process() -> (MemoryStore, App, Router) {
+    let store = MemoryStore::new();
+    let app = App::default();
+    let svc = router(app.clone()).layer(IdempotencyLayer::new(store.clone()));
+    (store, app, svc)
+}
+
 // ---------------------------------------------------------------- the client
 
 #[derive(Debug)]
@@ -353,6 +382,38 @@ fn request(method: Method, path: &str) -> http::request::Builder {
         .header(header::HOST, "idem.test")
 }
 
+/// A `method` request to `path` with key `key` and `body`.
+fn keyed(method: Method, path: &str, key: &str, body: &'static [u8]) -> Request<Full<Bytes>> {
+    request(method, path)
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(body)))
+        .unwrap()
+}
+
+/// A POST to /orders with key `key`, answered after `delay_ms`, as the
+/// router itself takes it (no connection).
+fn slow_order(key: &str, delay_ms: &str) -> Request<AxumBody> {
+    Request::builder()
+        .method(Method::POST)
+        .uri("/orders")
+        .header("idempotency-key", key)
+        .header("x-delay-ms", delay_ms)
+        .body(AxumBody::from("{}"))
+        .unwrap()
+}
+
+/// Spawns a keyed POST to /gated and returns once the handler runs (and
+/// waits for the gate).
+async fn start_gated(addr: SocketAddr, app: &App, key: &'static str) -> JoinHandle<Reply> {
+    let first = tokio::spawn(async move { send(addr, post_json("/gated", Some(key), "{}")).await });
+    eventually("the gated handler to start", || {
+        let n = app.calls();
+        async move { n == 1 }
+    })
+    .await;
+    first
+}
+
 /// A POST with a JSON body and (optionally) a key.
 fn post_json(path: &str, key: Option<&str>, body: &str) -> Request<Full<Bytes>> {
     let mut b = request(Method::POST, path).header(header::CONTENT_TYPE, "application/json");
@@ -393,12 +454,18 @@ fn completed(r: &Option<Record>) -> Option<&StoredResponse> {
     }
 }
 
+/// `r` is a replay of `original`: `status`, marked replayed, the same body.
+fn assert_replay(r: &Reply, status: StatusCode, original: &Reply) {
+    assert_eq!(r.status, status, "{r:?}");
+    assert!(r.replayed(), "{r:?}");
+    assert_eq!(r.body, original.body);
+}
+
 // ---------------------------------------------------------------- tests
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_concurrent_duplicates_execute_once() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (_store, addr, app) = serve_on_memory(|l| l).await;
     let mut tasks = Vec::new();
     for _ in 0..50 {
         tasks.push(tokio::spawn(async move {
@@ -444,16 +511,13 @@ async fn fifty_concurrent_duplicates_execute_once() {
         post_json("/orders", Some("charge-50"), r#"{ "amount" : 10 }"#),
     )
     .await;
-    assert_eq!(again.status, StatusCode::CREATED);
-    assert!(again.replayed());
-    assert_eq!(again.body, original.body);
+    assert_replay(&again, StatusCode::CREATED, original);
     assert_eq!(app.calls(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_is_faithful_d1() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     let first = send(
         addr,
         post_json("/orders", Some("\"d1\""), r#"{"item":"book"}"#),
@@ -488,12 +552,7 @@ async fn replay_is_faithful_d1() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_body_replays_byte_for_byte() {
     let (addr, app) = serve(IdempotencyLayer::new(MemoryStore::new())).await;
-    let req = || {
-        request(Method::POST, "/binary")
-            .header("idempotency-key", "bin-1")
-            .body(Full::new(Bytes::from_static(b"\x01\x02")))
-            .unwrap()
-    };
+    let req = || keyed(Method::POST, "/binary", "bin-1", b"\x01\x02");
     let first = send(addr, req()).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(
@@ -519,9 +578,7 @@ async fn a_406_is_replayed_as_406_c2() {
     let first = send(addr, post_json("/not-acceptable", Some("c2"), "{}")).await;
     let again = send(addr, post_json("/not-acceptable", Some("c2"), "{}")).await;
     assert_eq!(first.status, StatusCode::NOT_ACCEPTABLE);
-    assert_eq!(again.status, StatusCode::NOT_ACCEPTABLE);
-    assert!(again.replayed());
-    assert_eq!(again.body, first.body);
+    assert_replay(&again, StatusCode::NOT_ACCEPTABLE, &first);
     assert_eq!(again.json()["error"], "not acceptable");
     assert_eq!(app.calls(), 1);
 }
@@ -591,8 +648,7 @@ async fn mismatch_while_in_flight_is_422_not_409() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_keys_are_400_and_touch_nothing_e1() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     let too_long = "k".repeat(256);
     let cases: Vec<(&[u8], &str)> = vec![
         (b"", "invalid-key"),
@@ -655,8 +711,7 @@ async fn bad_keys_are_400_and_touch_nothing_e1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn require_key_refuses_requests_without_one() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_require_key(true)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_require_key(true)).await;
     let r = send(addr, post_json("/orders", None, "{}")).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.problem(), "urn:idem:problem:key-required");
@@ -722,8 +777,7 @@ async fn several_authorization_fields_scope_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_5xx_is_released_and_the_retry_runs_once_more_c1() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     let first = send(addr, post_json("/flaky", Some("c1"), "{}")).await;
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(!first.replayed());
@@ -740,8 +794,7 @@ async fn a_5xx_is_released_and_the_retry_runs_once_more_c1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_request_bodies_are_413_before_any_work() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_max_body(1024)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_max_body(1024)).await;
     // With Content-Length.
     let r = send(
         addr,
@@ -782,8 +835,7 @@ async fn oversized_request_bodies_are_413_before_any_work() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_over_the_retention_limit_are_410_on_replay() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_retention_limit(1024)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_retention_limit(1024)).await;
     let first = send(addr, post_json("/big", Some("big-resp"), "{}")).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(
@@ -820,8 +872,7 @@ async fn responses_over_the_retention_limit_are_410_on_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_response_over_the_limit_completes_before_it_ends() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_retention_limit(1024)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_retention_limit(1024)).await;
     let stream = TcpStream::connect(addr).await.unwrap();
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
@@ -848,13 +899,7 @@ async fn a_streamed_response_over_the_limit_completes_before_it_ends() {
 async fn wait_mode_returns_the_replay() {
     let (addr, app) =
         serve(IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::from_secs(5))).await;
-    let first =
-        tokio::spawn(async move { send(addr, post_json("/gated", Some("wait"), "{}")).await });
-    eventually("the first request to start", || {
-        let n = app.calls();
-        async move { n == 1 }
-    })
-    .await;
+    let first = start_gated(addr, &app, "wait").await;
     let dup =
         tokio::spawn(async move { send(addr, post_json("/gated", Some("wait"), "{}")).await });
     tokio::time::sleep(Duration::from_millis(150)).await;
@@ -864,9 +909,7 @@ async fn wait_mode_returns_the_replay() {
     let dup = dup.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.replayed());
-    assert_eq!(dup.status, StatusCode::CREATED);
-    assert!(dup.replayed());
-    assert_eq!(dup.body, first.body);
+    assert_replay(&dup, StatusCode::CREATED, &first);
     assert_eq!(app.calls(), 1);
 }
 
@@ -875,13 +918,7 @@ async fn wait_mode_gives_409_when_the_bound_passes() {
     let (addr, app) =
         serve(IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::from_millis(200)))
             .await;
-    let first =
-        tokio::spawn(async move { send(addr, post_json("/gated", Some("w409"), "{}")).await });
-    eventually("the first request to start", || {
-        let n = app.calls();
-        async move { n == 1 }
-    })
-    .await;
+    let first = start_gated(addr, &app, "w409").await;
     let started = std::time::Instant::now();
     let dup = send(addr, post_json("/gated", Some("w409"), "{}")).await;
     assert!(started.elapsed() >= Duration::from_millis(190));
@@ -894,17 +931,8 @@ async fn wait_mode_gives_409_when_the_bound_passes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_flight_is_409_with_retry_after_rounded_up() {
-    let clock = ManualClock::starting_now();
-    let store = MemoryStore::new().with_clock(clock.clone());
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_millis(2500))).await;
-    let first =
-        tokio::spawn(async move { send(addr, post_json("/gated", Some("a2"), "{}")).await });
-    eventually("the handler to start", || {
-        let n = app.calls();
-        async move { n == 1 }
-    })
-    .await;
+    let (clock, _store, addr, app) = serve_on_clock(Duration::from_millis(2500)).await;
+    let first = start_gated(addr, &app, "a2").await;
     let dup = send(addr, post_json("/gated", Some("a2"), "{}")).await;
     assert_eq!(dup.status, StatusCode::CONFLICT);
     assert_eq!(dup.problem(), "urn:idem:problem:in-flight");
@@ -922,8 +950,7 @@ async fn in_flight_is_409_with_retry_after_rounded_up() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_does_not_cancel_the_run_d2() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     let body = r#"{"amount":5}"#;
     let raw = format!(
         "POST /orders HTTP/1.1\r\nHost: idem.test\r\nIdempotency-Key: d2\r\n\
@@ -954,16 +981,8 @@ async fn a_client_that_disconnects_does_not_cancel_the_run_d2() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_service_future_does_not_cancel_the_run() {
     use tower::ServiceExt;
-    let store = MemoryStore::new();
-    let app = App::default();
-    let svc = router(app.clone()).layer(IdempotencyLayer::new(store.clone()));
-    let req = Request::builder()
-        .method(Method::POST)
-        .uri("/orders")
-        .header("idempotency-key", "dropped")
-        .header("x-delay-ms", "300")
-        .body(AxumBody::from("{}"))
-        .unwrap();
+    let (store, app, svc) = in_process();
+    let req = slow_order("dropped", "300");
     // The future is dropped after 50 ms, mid-handler.
     let cut = tokio::time::timeout(Duration::from_millis(50), svc.clone().oneshot(req)).await;
     assert!(cut.is_err());
@@ -985,13 +1004,7 @@ async fn the_tracker_waits_for_runs_whose_callers_left() {
     let layer = IdempotencyLayer::new(store.clone()).with_tracker(tracker.clone());
     assert!(layer.tracker().is_empty());
     let svc = router(app.clone()).layer(layer);
-    let req = Request::builder()
-        .method(Method::POST)
-        .uri("/orders")
-        .header("idempotency-key", "tracked")
-        .header("x-delay-ms", "400")
-        .body(AxumBody::from("{}"))
-        .unwrap();
+    let req = slow_order("tracked", "400");
     // The caller leaves after 50 ms, mid-handler; the run goes on, tracked.
     let cut = tokio::time::timeout(Duration::from_millis(50), svc.oneshot(req)).await;
     assert!(cut.is_err());
@@ -1009,23 +1022,15 @@ async fn the_tracker_waits_for_runs_whose_callers_left() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_passes_through_untouched() {
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone())).await;
+    let (store, addr, app) = serve_on_memory(|l| l).await;
     for n in 1..=2 {
-        let req = request(Method::GET, "/orders")
-            .header("idempotency-key", "same")
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let r = send(addr, req).await;
+        let r = send(addr, keyed(Method::GET, "/orders", "same", b"")).await;
         assert_eq!(r.status, StatusCode::OK);
         assert!(!r.replayed());
         assert_eq!(r.body, format!("read {n}"));
     }
     // Even a malformed key is not looked at on an unguarded method.
-    let req = request(Method::GET, "/orders")
-        .header("idempotency-key", "\"broken")
-        .body(Full::new(Bytes::new()))
-        .unwrap();
+    let req = keyed(Method::GET, "/orders", "\"broken", b"");
     assert_eq!(send(addr, req).await.status, StatusCode::OK);
     assert_eq!(app.calls(), 3);
     assert!(store.is_empty());
@@ -1033,16 +1038,9 @@ async fn get_passes_through_untouched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarded_methods_are_configurable() {
-    let store = MemoryStore::new();
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_methods(vec![Method::POST, Method::PUT]))
-            .await;
-    let put_req = || {
-        request(Method::PUT, "/upload")
-            .header("idempotency-key", "put-1")
-            .body(Full::new(Bytes::from_static(b"abc")))
-            .unwrap()
-    };
+    let (_store, addr, app) =
+        serve_on_memory(|l| l.with_methods(vec![Method::POST, Method::PUT])).await;
+    let put_req = || keyed(Method::PUT, "/upload", "put-1", b"abc");
     let a = send(addr, put_req()).await;
     let b = send(addr, put_req()).await;
     assert!(!a.replayed() && b.replayed());
@@ -1051,10 +1049,7 @@ async fn guarded_methods_are_configurable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disposition_overrides_the_policy() {
-    let clock = ManualClock::starting_now();
-    let store = MemoryStore::new().with_clock(clock.clone());
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(5))).await;
+    let (clock, _store, addr, app) = serve_on_clock(Duration::from_secs(5)).await;
     // A 502 marked Hold: the key stays in flight until its lease ends.
     let first = send(addr, post_json("/hold", Some("hold"), "{}")).await;
     assert_eq!(first.status, StatusCode::BAD_GATEWAY);
@@ -1075,10 +1070,7 @@ async fn disposition_overrides_the_policy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_fails_while_buffered_is_a_502_and_holds_the_key_b3() {
-    let clock = ManualClock::starting_now();
-    let store = MemoryStore::new().with_clock(clock.clone());
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(5))).await;
+    let (clock, store, addr, app) = serve_on_clock(Duration::from_secs(5)).await;
     // The body fails within the retention limit, while the layer still
     // buffers it: nothing was sent yet, so the first caller gets a complete
     // 502 problem instead of a 200 with a truncated body.
@@ -1118,8 +1110,7 @@ async fn a_body_that_fails_while_buffered_is_a_502_and_holds_the_key_b3() {
 async fn a_body_that_fails_past_the_retention_limit_is_truncated_and_completed() {
     // Past the limit the layer has already completed the key (without the
     // body) and streams on: a later failure can only cut the stream short.
-    let store = MemoryStore::new();
-    let (addr, app) = serve(IdempotencyLayer::new(store.clone()).with_retention_limit(1024)).await;
+    let (store, addr, app) = serve_on_memory(|l| l.with_retention_limit(1024)).await;
     let first = try_send(addr, post_json("/broken-big-stream", Some("b3-big"), "{}")).await;
     assert!(first.is_err(), "the failure reaches the client: {first:?}");
     let rec = anon_key(&store, "b3-big").await;
@@ -1132,10 +1123,7 @@ async fn a_body_that_fails_past_the_retention_limit_is_truncated_and_completed()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_handler_is_500_and_frees_the_key_at_lease_end() {
-    let clock = ManualClock::starting_now();
-    let store = MemoryStore::new().with_clock(clock.clone());
-    let (addr, app) =
-        serve(IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(5))).await;
+    let (clock, _store, addr, app) = serve_on_clock(Duration::from_secs(5)).await;
     let r = send(addr, post_json("/panic", Some("p"), "{}")).await;
     assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(r.problem(), "urn:idem:problem:internal");
@@ -1150,9 +1138,7 @@ async fn a_panicking_handler_is_500_and_frees_the_key_at_lease_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_body_that_fails_is_400_and_leaves_the_key_untouched() {
     use tower::ServiceExt;
-    let store = MemoryStore::new();
-    let app = App::default();
-    let svc = router(app.clone()).layer(IdempotencyLayer::new(store.clone()));
+    let (store, app, svc) = in_process();
     let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = vec![
         Ok(Frame::data(Bytes::from_static(b"{\"amount\":"))),
         Err(std::io::Error::new(

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
+use axum::extract::{FromRequest, Path, Query, Request};
 pub use axum::http::Method;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -40,14 +40,31 @@ struct AppState {
 }
 
 impl AppState {
-    fn hit(&self, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> usize {
-        self.seen.lock().unwrap().push(Seen {
-            method,
-            uri,
-            headers,
-            body,
-        });
+    fn hit(&self, seen: Seen) -> usize {
+        self.seen.lock().unwrap().push(seen);
         self.hits.fetch_add(1, Ordering::SeqCst) + 1
+    }
+}
+
+/// An execution of the upstream: extracting it records the request (read
+/// to the end) and counts it; `.0` is this execution's number.
+struct Hit(usize, Seen);
+
+impl FromRequest<AppState> for Hit {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, s: &AppState) -> Result<Self, Response> {
+        let (parts, body) = req.into_parts();
+        let body = Bytes::from_request(Request::from_parts(parts.clone(), body), s)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let seen = Seen {
+            method: parts.method,
+            uri: parts.uri,
+            headers: parts.headers,
+            body,
+        };
+        Ok(Hit(s.hit(seen.clone()), seen))
     }
 }
 
@@ -97,185 +114,124 @@ fn app(state: AppState) -> Router {
         // 201 with Location, ETag, two Set-Cookie and a JSON body naming the execution.
         .route(
             "/orders",
-            routing::post(
-                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    Response::builder()
-                        .status(StatusCode::CREATED)
-                        .header("location", format!("/orders/{n}"))
-                        .header("etag", format!("\"v{n}\""))
-                        .header("set-cookie", format!("a={n}; Path=/"))
-                        .header("set-cookie", "b=2; HttpOnly")
-                        .header("content-type", "application/json")
-                        .body(Body::from(format!("{{\"order\":{n}}}")))
-                        .unwrap()
-                },
-            )
-            .patch(
-                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    (StatusCode::OK, format!("patched {n}"))
-                },
-            ),
+            routing::post(|Hit(n, _): Hit| async move {
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .header("location", format!("/orders/{n}"))
+                    .header("etag", format!("\"v{n}\""))
+                    .header("set-cookie", format!("a={n}; Path=/"))
+                    .header("set-cookie", "b=2; HttpOnly")
+                    .header("content-type", "application/json")
+                    .body(Body::from(format!("{{\"order\":{n}}}")))
+                    .unwrap()
+            })
+            .patch(|Hit(n, _): Hit| async move { (StatusCode::OK, format!("patched {n}")) }),
         )
         // An upstream that claims its own answer is a replay.
         .route(
             "/claims-replayed",
-            routing::post(
-                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    Response::builder()
-                        .status(StatusCode::CREATED)
-                        .header("idempotent-replayed", "true")
-                        .body(Body::from(format!("claims {n}")))
-                        .unwrap()
-                },
-            ),
+            routing::post(|Hit(n, _): Hit| async move {
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .header("idempotent-replayed", "true")
+                    .body(Body::from(format!("claims {n}")))
+                    .unwrap()
+            }),
         )
         .route(
             "/refunds",
             routing::post(
-                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    (StatusCode::CREATED, format!("refund {n}"))
-                },
+                |Hit(n, _): Hit| async move { (StatusCode::CREATED, format!("refund {n}")) },
             ),
         )
         .route(
             "/slow",
-            routing::post(
-                |State(s): State<AppState>,
-                 Query(q): Query<SlowQ>,
-                 m: Method,
-                 u: Uri,
-                 h: HeaderMap,
-                 b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    tokio::time::sleep(Duration::from_millis(q.ms.unwrap_or(500))).await;
-                    (StatusCode::OK, format!("slow {n}"))
-                },
-            ),
+            routing::post(|Query(q): Query<SlowQ>, Hit(n, _): Hit| slow("slow", q, n, true)),
         )
         // Sleeps only in its first execution.
         .route(
             "/slow-first",
-            routing::post(
-                |State(s): State<AppState>,
-                 Query(q): Query<SlowQ>,
-                 m: Method,
-                 u: Uri,
-                 h: HeaderMap,
-                 b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    if n == 1 {
-                        tokio::time::sleep(Duration::from_millis(q.ms.unwrap_or(500))).await;
-                    }
-                    (StatusCode::OK, format!("slow-first {n}"))
-                },
-            ),
+            routing::post(|Query(q): Query<SlowQ>, Hit(n, _): Hit| {
+                slow("slow-first", q, n, n == 1)
+            }),
         )
         .route(
             "/status/{code}",
-            routing::post(
-                |State(s): State<AppState>,
-                 Path(code): Path<u16>,
-                 m: Method,
-                 u: Uri,
-                 h: HeaderMap,
-                 b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::IM_A_TEAPOT);
-                    (
-                        status,
-                        [("content-type", "application/json")],
-                        format!("{{\"status\":{code},\"execution\":{n}}}"),
-                    )
-                },
-            ),
+            routing::post(|Path(code): Path<u16>, Hit(n, _): Hit| async move {
+                let status = StatusCode::from_u16(code).unwrap_or(StatusCode::IM_A_TEAPOT);
+                (
+                    status,
+                    [("content-type", "application/json")],
+                    format!("{{\"status\":{code},\"execution\":{n}}}"),
+                )
+            }),
         )
         .route(
             "/binary",
-            routing::post(
-                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    let mut body = vec![0u8, 0x9f, 0x92, 0x96, 0xff, 0xfe, b'\r', b'\n', 0];
-                    body.push(n as u8);
-                    ([("content-type", "application/octet-stream")], body)
-                },
-            ),
+            routing::post(|Hit(n, _): Hit| async move {
+                let mut body = vec![0u8, 0x9f, 0x92, 0x96, 0xff, 0xfe, b'\r', b'\n', 0];
+                body.push(n as u8);
+                ([("content-type", "application/octet-stream")], body)
+            }),
         )
         .route(
             "/large",
-            routing::post(
-                |State(s): State<AppState>,
-                 Query(q): Query<LargeQ>,
-                 m: Method,
-                 u: Uri,
-                 h: HeaderMap,
-                 b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    let body: Vec<u8> = (0..q.bytes).map(|i| (i % 251) as u8 ^ n as u8).collect();
-                    body
-                },
-            ),
+            routing::post(|Query(q): Query<LargeQ>, Hit(n, _): Hit| async move {
+                let body: Vec<u8> = (0..q.bytes).map(|i| (i % 251) as u8 ^ n as u8).collect();
+                body
+            }),
         )
         // Three chunks, 100 ms apart, with no Content-Length (chunked encoding).
         .route(
             "/chunked",
-            any(
-                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
-                    let n = s.hit(m, u, h, b);
-                    let stream = async_stream(n);
-                    Response::builder()
-                        .status(StatusCode::OK)
-                        .header("content-type", "text/plain")
-                        .body(Body::from_stream(stream))
-                        .unwrap()
-                },
-            ),
+            any(|Hit(n, _): Hit| async move {
+                let stream = async_stream(n);
+                Response::builder()
+                    .status(StatusCode::OK)
+                    .header("content-type", "text/plain")
+                    .body(Body::from_stream(stream))
+                    .unwrap()
+            }),
         )
         // Echoes what it received, as JSON; repeated headers kept.
         .route(
             "/echo",
-            any(
-                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
-                    let n = s.hit(m.clone(), u.clone(), h.clone(), b.clone());
-                    let headers: Vec<(String, String)> = h
-                        .iter()
-                        .map(|(k, v)| {
-                            (
-                                k.to_string(),
-                                String::from_utf8_lossy(v.as_bytes()).into_owned(),
-                            )
-                        })
-                        .collect();
-                    axum::Json(serde_json::json!({
-                        "execution": n,
-                        "method": m.as_str(),
-                        "uri": u.to_string(),
-                        "headers": headers,
-                        "body_len": b.len(),
-                    }))
-                    .into_response()
-                },
-            ),
+            any(|Hit(n, seen): Hit| async move {
+                let headers: Vec<(String, String)> = seen
+                    .headers
+                    .iter()
+                    .map(|(k, v)| {
+                        (
+                            k.to_string(),
+                            String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                        )
+                    })
+                    .collect();
+                axum::Json(serde_json::json!({
+                    "execution": n,
+                    "method": seen.method.as_str(),
+                    "uri": seen.uri.to_string(),
+                    "headers": headers,
+                    "body_len": seen.body.len(),
+                }))
+                .into_response()
+            }),
         )
         .route(
             "/items",
-            get(
-                |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap| async move {
-                    let n = s.hit(m, u, h, Bytes::new());
-                    format!("items {n}")
-                },
-            ),
+            get(|Hit(n, _): Hit| async move { format!("items {n}") }),
         )
-        .fallback(
-            |State(s): State<AppState>, m: Method, u: Uri, h: HeaderMap, b: Bytes| async move {
-                s.hit(m, u, h, b);
-                (StatusCode::NOT_FOUND, "no such route")
-            },
-        )
+        .fallback(|_: Hit| async { (StatusCode::NOT_FOUND, "no such route") })
         .with_state(state)
+}
+
+/// Execution `n` of a slow route: sleeps `?ms=` (500 ms by default) when
+/// `sleeps`, then answers 200 `{label} {n}`.
+async fn slow(label: &str, q: SlowQ, n: usize, sleeps: bool) -> (StatusCode, String) {
+    if sleeps {
+        tokio::time::sleep(Duration::from_millis(q.ms.unwrap_or(500))).await;
+    }
+    (StatusCode::OK, format!("{label} {n}"))
 }
 
 fn async_stream(n: usize) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send {
@@ -536,6 +492,20 @@ pub async fn faulty_rig(tweak: impl FnOnce(&mut GatewayConfig)) -> (Rig, FaultyS
     (rig_with(store.clone(), tweak).await, store)
 }
 
+/// The request `method url` with `headers` (repeats kept).
+fn with_headers(
+    c: &reqwest::Client,
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+) -> reqwest::RequestBuilder {
+    headers
+        .iter()
+        .fold(c.request(method, url), |r, (name, value)| {
+            r.header(*name, *value)
+        })
+}
+
 /// Sends `method url` with `headers` (repeats kept) and `body`, read to the end.
 pub async fn send(
     c: &reqwest::Client,
@@ -544,11 +514,14 @@ pub async fn send(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Got {
-    let mut r = c.request(method, url).body(body.to_owned());
-    for (name, value) in headers {
-        r = r.header(*name, *value);
-    }
+    let r = with_headers(c, method, url, headers).body(body.to_owned());
     read(r.send().await.unwrap()).await
+}
+
+/// Sends `method url` with `headers` (repeats kept) and no body, read to
+/// the end.
+pub async fn call(c: &reqwest::Client, method: Method, url: &str, headers: &[(&str, &str)]) -> Got {
+    read(with_headers(c, method, url, headers).send().await.unwrap()).await
 }
 
 /// GETs `url`, read to the end.
@@ -653,7 +626,41 @@ pub async fn read(resp: reqwest::Response) -> Got {
 
 /// POSTs `body` to `url` with an `Idempotency-Key` (when given).
 pub async fn post(c: &reqwest::Client, url: &str, key: Option<&str>, body: &str) -> Got {
-    read(post_request(c, url, key, body).send().await.unwrap()).await
+    send_json(c, Method::POST, url, key, body).await
+}
+
+/// Sends JSON `body` as `method url` with an `Idempotency-Key` (when
+/// given), read to the end.
+pub async fn send_json(
+    c: &reqwest::Client,
+    method: Method,
+    url: &str,
+    key: Option<&str>,
+    body: &str,
+) -> Got {
+    read(
+        json_request(c, method, url, key, body)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await
+}
+
+/// POSTs JSON `body` with key `k` as the caller its `caller` headers name
+/// (an Authorization, an API key), read to the end.
+pub async fn post_as(
+    c: &reqwest::Client,
+    url: &str,
+    k: &str,
+    caller: &[(&str, &str)],
+    body: &str,
+) -> Got {
+    let mut r = post_request(c, url, Some(k), body);
+    for (name, value) in caller {
+        r = r.header(*name, *value);
+    }
+    read(r.send().await.unwrap()).await
 }
 
 /// The request [`post`] sends.
@@ -663,8 +670,19 @@ pub fn post_request(
     key: Option<&str>,
     body: &str,
 ) -> reqwest::RequestBuilder {
+    json_request(c, Method::POST, url, key, body)
+}
+
+/// The request [`send_json`] sends.
+pub fn json_request(
+    c: &reqwest::Client,
+    method: Method,
+    url: &str,
+    key: Option<&str>,
+    body: &str,
+) -> reqwest::RequestBuilder {
     let r = c
-        .post(url)
+        .request(method, url)
         .header("content-type", "application/json")
         .body(body.to_owned());
     match key {
@@ -711,6 +729,12 @@ pub async fn eventually(bound: Duration, mut cond: impl FnMut() -> bool) -> bool
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     cond()
+}
+
+/// Asserts that less than `bound` passed since `t0`; `what` names the wait.
+pub fn assert_within(t0: std::time::Instant, bound: Duration, what: &str) {
+    let took = t0.elapsed();
+    assert!(took < bound, "{what}: took {took:?}, over {bound:?}");
 }
 
 /// An error and its sources, `outer: inner: innermost`.
