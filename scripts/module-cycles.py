@@ -122,7 +122,11 @@ def crate_edges(src):
 
 
 def main():
-    graph = "--graph" in sys.argv[1:]
+    args = sys.argv[1:]
+    if any(a in ("-h", "--help") for a in args) or any(a != "--graph" for a in args):
+        print(__doc__.strip())
+        return 0 if all(a in ("-h", "--help", "--graph") for a in args) else 2
+    graph = "--graph" in args
     cycles = []
     crates = sorted(p for p in (ROOT / "crates").glob("*/src")) + sorted(
         p for p in (ROOT / "examples").glob("*/src")
@@ -147,4 +151,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `--graph | head`
+        sys.stderr.close()
+        sys.exit(0)

@@ -18,18 +18,30 @@ use clap::{Parser, Subcommand, ValueEnum};
 use idem_gateway::{Gateway, GatewayArgs};
 use tracing_subscriber::EnvFilter;
 
+#[cfg(feature = "demo")]
+const LONG_ABOUT: &str = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
+     `idem gateway` is a reverse proxy that gives any HTTP service the guarantee without a change \
+     to its code; `idem demo` shows it at work in front of a sample payment service.";
+#[cfg(not(feature = "demo"))]
+const LONG_ABOUT: &str = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
+     `idem gateway` is a reverse proxy that gives any HTTP service the guarantee without a change \
+     to its code. (This binary was built without the Cargo feature `demo`, so `idem demo` is \
+     not in it.)";
+#[cfg(feature = "demo")]
+const AFTER_HELP: &str = "Start with `idem demo`. Logs go to stderr; set RUST_LOG (e.g. \
+     RUST_LOG=debug) to change how much is logged.";
+#[cfg(not(feature = "demo"))]
+const AFTER_HELP: &str = "Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=debug) to change how \
+     much is logged.";
+
 /// Make write operations take effect exactly once per Idempotency-Key.
 #[derive(Debug, Parser)]
 #[command(
     name = "idem",
     version,
     about = "Make write operations take effect exactly once per Idempotency-Key",
-    long_about = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
-                  `idem gateway` is a reverse proxy that gives any HTTP service the guarantee \
-                  without a change to its code; `idem demo` shows it at work in front of a \
-                  sample payment service.",
-    after_help = "Start with `idem demo`. Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=debug) \
-                  to change how much is logged."
+    long_about = LONG_ABOUT,
+    after_help = AFTER_HELP
 )]
 struct Cli {
     /// Log format (logs go to stderr).
@@ -72,6 +84,15 @@ enum Command {
     #[cfg(feature = "demo")]
     #[command(long_about = demo::LONG_ABOUT)]
     Demo(demo::DemoArgs),
+
+    /// `idem demo` in a binary built without it: says so instead of
+    /// clap's "unrecognized subcommand".
+    #[cfg(not(feature = "demo"))]
+    #[command(hide = true, disable_help_flag = true)]
+    Demo {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        _args: Vec<String>,
+    },
 }
 
 /// How log lines are written.
@@ -91,6 +112,14 @@ fn main() -> ExitCode {
         // it, so only warnings unless RUST_LOG asks for more.
         #[cfg(feature = "demo")]
         Command::Demo(_) => "warn",
+        #[cfg(not(feature = "demo"))]
+        Command::Demo { .. } => {
+            eprintln!(
+                "idem: this binary was built without the Cargo feature `demo` (on by default), \
+                 so it has no `idem demo`; build it with that feature, e.g. `cargo build --release`"
+            );
+            return ExitCode::from(2);
+        }
     };
     if let Err(e) = init_logging(cli.log_format, default_filter) {
         eprintln!("idem: {e}");
@@ -108,6 +137,8 @@ fn main() -> ExitCode {
             Command::Gateway(args) => run_gateway(args).await,
             #[cfg(feature = "demo")]
             Command::Demo(args) => demo::run(args).await,
+            #[cfg(not(feature = "demo"))]
+            Command::Demo { .. } => unreachable!("answered before the runtime starts"),
         }
     })
 }

@@ -71,11 +71,13 @@ pub struct GatewayArgs {
 
     /// Where records live: `memory://` (lost on exit), `sqlite://relative.db`
     /// or `sqlite:///absolute/path.db` (created if missing),
-    /// `postgres://user:pw@host:5432/db`, `mysql://user:pw@host:3306/db`
-    /// (`mariadb://`), `redis://host:6379/` (`rediss://` for TLS),
-    /// `redis+cluster://host:port,host:port`. Gateway options go in the
-    /// query: `idem_table`, `idem_schema`, `idem_migrate` (SQL),
-    /// `idem_prefix` (Redis); see `open_store_with`.
+    /// `postgres://user:pw@host:5432/db` (`postgresql://`),
+    /// `mysql://user:pw@host:3306/db` (`mariadb://`), `redis://host:6379/`
+    /// (`rediss://` for TLS, `redis+unix:///path.sock`),
+    /// `redis+cluster://host:port,host:port` (`rediss+cluster://`). Gateway
+    /// options go in the query: `idem_table`, `idem_schema`, `idem_migrate`
+    /// (SQL), `idem_prefix` (Redis); other parameters are the driver's (e.g.
+    /// PostgreSQL's `sslmode`).
     #[arg(
         long,
         env = "IDEM_STORE",
