@@ -620,6 +620,7 @@ pub(crate) use option_setters;
 /// every field as `#[derive(Debug)]` would print it, but the URL's
 /// password as `***` ([`idem_core::url::redact`]). Lists every other
 /// field by name; a field left out does not compile.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 macro_rules! debug_redacting_url {
     ($ty:ident { $($field:ident),* $(,)? }) => {
         impl std::fmt::Debug for $ty {
@@ -633,6 +634,7 @@ macro_rules! debug_redacting_url {
         }
     };
 }
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use debug_redacting_url;
 
 #[cfg(test)]
