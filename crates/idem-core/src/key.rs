@@ -43,17 +43,25 @@ impl IdempotencyKey {
     }
 }
 
-impl fmt::Debug for IdempotencyKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "IdempotencyKey({:?})", self.0)
-    }
+/// `Debug` as `Name("value")` and `Display` as the bare value, for this
+/// module's string newtypes.
+macro_rules! string_newtype_fmt {
+    ($($ty:ident),*) => {$(
+        impl fmt::Debug for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!(stringify!($ty), "({:?})"), self.0)
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    )*};
 }
 
-impl fmt::Display for IdempotencyKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
+string_newtype_fmt!(IdempotencyKey, Scope);
 
 impl std::str::FromStr for IdempotencyKey {
     type Err = KeyError;
@@ -110,21 +118,19 @@ impl Scope {
     }
 }
 
-impl fmt::Debug for Scope {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Scope({:?})", self.0)
-    }
-}
-
-impl fmt::Display for Scope {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_names_the_type_and_display_is_the_bare_value() {
+        let k = IdempotencyKey::new("a\"b").unwrap();
+        assert_eq!(format!("{k:?}"), r#"IdempotencyKey("a\"b")"#);
+        assert_eq!(k.to_string(), "a\"b");
+        let s = Scope::new("tenant-1").unwrap();
+        assert_eq!(format!("{s:?}"), r#"Scope("tenant-1")"#);
+        assert_eq!(s.to_string(), "tenant-1");
+    }
 
     #[test]
     fn accepts_loose_syntax() {

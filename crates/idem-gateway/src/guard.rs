@@ -185,6 +185,7 @@ impl idem_http::FailOpenGuard for Recent {
 mod tests {
     use super::*;
     use idem_core::{Fingerprint, MemoryStore};
+    use idem_testkit::FaultyStore;
 
     #[tokio::test]
     async fn begin_notes_claimed_and_done_keys_but_not_mismatches() {
@@ -226,42 +227,13 @@ mod tests {
         assert!(!recent.contains(&s, &k));
     }
 
-    #[derive(Debug)]
-    struct Hangs;
-
-    #[async_trait]
-    impl Store for Hangs {
-        async fn begin(&self, _: &BeginRequest) -> Result<Begin, StoreError> {
-            std::future::pending().await
-        }
-        async fn complete(
-            &self,
-            _: &Lease,
-            _: &StoredResponse,
-            _: Duration,
-        ) -> Result<(), StoreError> {
-            std::future::pending().await
-        }
-        async fn release(&self, _: &Lease) -> Result<(), StoreError> {
-            std::future::pending().await
-        }
-        async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, StoreError> {
-            std::future::pending().await
-        }
-        async fn get(&self, _: &Scope, _: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-            std::future::pending().await
-        }
-        async fn delete(&self, _: &Scope, _: &IdempotencyKey) -> Result<bool, StoreError> {
-            std::future::pending().await
-        }
-        async fn purge_expired(&self) -> Result<u64, StoreError> {
-            std::future::pending().await
-        }
-    }
-
     #[tokio::test(start_paused = true)]
     async fn a_hung_store_call_times_out() {
-        let store = GuardedStore::new(Arc::new(Hangs), Duration::from_millis(300), None);
+        let store = GuardedStore::new(
+            Arc::new(FaultyStore::hung()),
+            Duration::from_millis(300),
+            None,
+        );
         let (s, k) = (Scope::anonymous(), IdempotencyKey::new("k").unwrap());
         let started = Instant::now();
         let e = store.get(&s, &k).await.unwrap_err();

@@ -14,6 +14,18 @@ use crate::policy::Disposition;
 use crate::scope::ScopeBy;
 use crate::service::IdempotencyService;
 
+/// `with_*` setters that each set the [`Options`] field of their name
+/// (the doc comments written at the call pass through).
+macro_rules! options_setters {
+    ($($(#[$attr:meta])* $name:ident($field:ident: $ty:ty);)*) => {$(
+        $(#[$attr])*
+        pub fn $name(mut self, $field: $ty) -> Self {
+            self.options.$field = $field;
+            self
+        }
+    )*};
+}
+
 /// The tower layer. `IdempotencyLayer::new(store)` then `with_*` builders:
 /// `with_methods(Vec<Method>)`, `with_require_key(bool)`, `with_scope(ScopeBy)`,
 /// `with_max_body(usize)`, `with_retention_limit(usize)`, `with_lease(Duration)`,
@@ -127,145 +139,120 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The guarded methods (default POST and PATCH). Requests of other
-    /// methods stream through untouched.
-    ///
-    /// ```
-    /// use http::Method;
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_methods(vec![Method::POST, Method::PATCH, Method::PUT, Method::DELETE]);
-    /// assert_eq!(layer.options().methods.len(), 4);
-    /// ```
-    pub fn with_methods(mut self, methods: Vec<Method>) -> Self {
-        self.options.methods = methods;
-        self
-    }
+    options_setters! {
+        /// The guarded methods (default POST and PATCH). Requests of other
+        /// methods stream through untouched.
+        ///
+        /// ```
+        /// use http::Method;
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_methods(vec![Method::POST, Method::PATCH, Method::PUT, Method::DELETE]);
+        /// assert_eq!(layer.options().methods.len(), 4);
+        /// ```
+        with_methods(methods: Vec<Method>);
 
-    /// Whether a guarded request without an `Idempotency-Key` is refused
-    /// with 400 `urn:idem:problem:key-required` (default false: it passes
-    /// through and the store is not touched).
-    ///
-    /// ```
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_require_key(true);
-    /// assert!(layer.options().require_key);
-    /// ```
-    pub fn with_require_key(mut self, require: bool) -> Self {
-        self.options.require_key = require;
-        self
-    }
+        /// Whether a guarded request without an `Idempotency-Key` is refused
+        /// with 400 `urn:idem:problem:key-required` (default false: it passes
+        /// through and the store is not touched).
+        ///
+        /// ```
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_require_key(true);
+        /// assert!(layer.options().require_key);
+        /// ```
+        with_require_key(require_key: bool);
 
-    /// How a request's scope is derived (default: SHA-256 of every
-    /// `Authorization` field; none → the anonymous scope).
-    ///
-    /// ```
-    /// use idem_http::ScopeBy;
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_scope(ScopeBy::Headers(vec![http::HeaderName::from_static("x-api-key")]));
-    /// assert!(matches!(layer.options().scope, ScopeBy::Headers(_)));
-    /// ```
-    pub fn with_scope(mut self, scope: ScopeBy) -> Self {
-        self.options.scope = scope;
-        self
-    }
+        /// How a request's scope is derived (default: SHA-256 of every
+        /// `Authorization` field; none → the anonymous scope).
+        ///
+        /// ```
+        /// use idem_http::ScopeBy;
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_scope(ScopeBy::Headers(vec![http::HeaderName::from_static("x-api-key")]));
+        /// assert!(matches!(layer.options().scope, ScopeBy::Headers(_)));
+        /// ```
+        with_scope(scope: ScopeBy);
 
-    /// The largest guarded request body, in bytes (default 10 MiB = 10,485,760).
-    /// A larger one gets 413 `urn:idem:problem:body-too-large` before any
-    /// store or inner work.
-    ///
-    /// ```
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_max_body(64 * 1024);
-    /// assert_eq!(layer.options().max_body, 65_536);
-    /// ```
-    pub fn with_max_body(mut self, bytes: usize) -> Self {
-        self.options.max_body = bytes;
-        self
-    }
+        /// The largest guarded request body, in bytes (default 10 MiB = 10,485,760).
+        /// A larger one gets 413 `urn:idem:problem:body-too-large` before any
+        /// store or inner work.
+        ///
+        /// ```
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_max_body(64 * 1024);
+        /// assert_eq!(layer.options().max_body, 65_536);
+        /// ```
+        with_max_body(max_body: usize);
 
-    /// The largest response body kept for replay, in bytes (default 1 MiB =
-    /// 1,048,576). The first caller always gets the whole response; past the
-    /// limit the key completes without the body and a duplicate gets 410
-    /// `urn:idem:problem:response-not-retained` (never a second execution).
-    ///
-    /// Within the limit the body is buffered before the first caller is
-    /// answered, so a body that fails is answered with a 502
-    /// `urn:idem:problem:upstream-failed` and the key is held until its lease
-    /// ends. Past the limit the response is already streaming: a failure
-    /// cuts the first caller's body short (unavoidably), and the key stays
-    /// completed without its body.
-    ///
-    /// ```
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_retention_limit(256 * 1024);
-    /// assert_eq!(layer.options().retention_limit, 262_144);
-    /// ```
-    pub fn with_retention_limit(mut self, bytes: usize) -> Self {
-        self.options.retention_limit = bytes;
-        self
-    }
+        /// The largest response body kept for replay, in bytes (default 1 MiB =
+        /// 1,048,576). The first caller always gets the whole response; past the
+        /// limit the key completes without the body and a duplicate gets 410
+        /// `urn:idem:problem:response-not-retained` (never a second execution).
+        ///
+        /// Within the limit the body is buffered before the first caller is
+        /// answered, so a body that fails is answered with a 502
+        /// `urn:idem:problem:upstream-failed` and the key is held until its lease
+        /// ends. Past the limit the response is already streaming: a failure
+        /// cuts the first caller's body short (unavoidably), and the key stays
+        /// completed without its body.
+        ///
+        /// ```
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_retention_limit(256 * 1024);
+        /// assert_eq!(layer.options().retention_limit, 262_144);
+        /// ```
+        with_retention_limit(retention_limit: usize);
 
-    /// How long a claim holds before another request may take the key over
-    /// (default 30 s; millisecond precision). Renewed every third of its
-    /// length while the inner service runs; also the longest a key stays
-    /// in flight after a crash or an unknown outcome.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_lease(Duration::from_millis(1500));
-    /// assert_eq!(layer.options().lease, Duration::from_millis(1500));
-    /// ```
-    pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.options.lease = lease;
-        self
-    }
+        /// How long a claim holds before another request may take the key over
+        /// (default 30 s; millisecond precision). Renewed every third of its
+        /// length while the inner service runs; also the longest a key stays
+        /// in flight after a crash or an unknown outcome.
+        ///
+        /// ```
+        /// use std::time::Duration;
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_lease(Duration::from_millis(1500));
+        /// assert_eq!(layer.options().lease, Duration::from_millis(1500));
+        /// ```
+        with_lease(lease: Duration);
 
-    /// How long a completed response is replayed (default 24 h).
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_ttl(Duration::from_secs(3600));
-    /// assert_eq!(layer.options().ttl, Duration::from_secs(3600));
-    /// ```
-    pub fn with_ttl(mut self, ttl: Duration) -> Self {
-        self.options.ttl = ttl;
-        self
-    }
+        /// How long a completed response is replayed (default 24 h).
+        ///
+        /// ```
+        /// use std::time::Duration;
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_ttl(Duration::from_secs(3600));
+        /// assert_eq!(layer.options().ttl, Duration::from_secs(3600));
+        /// ```
+        with_ttl(ttl: Duration);
 
-    /// How long a duplicate waits for an in-flight original to finish
-    /// before it gets 409 (default 0: answer at once). Within the bound it
-    /// gets the original's replay.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_wait(Duration::from_secs(5));
-    /// assert_eq!(layer.options().wait, Duration::from_secs(5));
-    /// ```
-    pub fn with_wait(mut self, wait: Duration) -> Self {
-        self.options.wait = wait;
-        self
-    }
+        /// How long a duplicate waits for an in-flight original to finish
+        /// before it gets 409 (default 0: answer at once). Within the bound it
+        /// gets the original's replay.
+        ///
+        /// ```
+        /// use std::time::Duration;
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_wait(Duration::from_secs(5));
+        /// assert_eq!(layer.options().wait, Duration::from_secs(5));
+        /// ```
+        with_wait(wait: Duration);
 
-    /// Which statuses are stored, released or held (default
-    /// [`crate::default_policy`]). A [`Disposition`] in a response's extensions
-    /// overrides it for that response.
-    ///
-    /// ```
-    /// use http::StatusCode;
-    /// use idem_http::{default_policy, Disposition};
-    /// fn keep_only_success(s: StatusCode) -> Disposition {
-    ///     if s.is_success() { Disposition::Store } else { Disposition::Release }
-    /// }
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_policy(keep_only_success);
-    /// assert_eq!((layer.options().policy)(StatusCode::NOT_FOUND), Disposition::Release);
-    /// ```
-    pub fn with_policy(mut self, policy: fn(StatusCode) -> Disposition) -> Self {
-        self.options.policy = policy;
-        self
+        /// Which statuses are stored, released or held (default
+        /// [`crate::default_policy`]). A [`Disposition`] in a response's extensions
+        /// overrides it for that response.
+        ///
+        /// ```
+        /// use http::StatusCode;
+        /// use idem_http::{default_policy, Disposition};
+        /// fn keep_only_success(s: StatusCode) -> Disposition {
+        ///     if s.is_success() { Disposition::Store } else { Disposition::Release }
+        /// }
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_policy(keep_only_success);
+        /// assert_eq!((layer.options().policy)(StatusCode::NOT_FOUND), Disposition::Release);
+        /// ```
+        with_policy(policy: fn(StatusCode) -> Disposition);
     }
 
     /// Guarded requests under these path prefixes must carry a live submit
@@ -286,19 +273,18 @@ impl IdempotencyLayer {
         self
     }
 
-    /// How long a token from [`IdempotencyLayer::issue_token`] may be used
-    /// for a first submit (default 1 h; capped at the replay window `ttl`,
-    /// so a result is never forgotten while its token is still accepted).
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-    ///     .with_token_ttl(Duration::from_secs(900));
-    /// assert_eq!(layer.options().token_ttl, Duration::from_secs(900));
-    /// ```
-    pub fn with_token_ttl(mut self, ttl: Duration) -> Self {
-        self.options.token_ttl = ttl;
-        self
+    options_setters! {
+        /// How long a token from [`IdempotencyLayer::issue_token`] may be used
+        /// for a first submit (default 1 h; capped at the replay window `ttl`,
+        /// so a result is never forgotten while its token is still accepted).
+        ///
+        /// ```
+        /// use std::time::Duration;
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_token_ttl(Duration::from_secs(900));
+        /// assert_eq!(layer.options().token_ttl, Duration::from_secs(900));
+        /// ```
+        with_token_ttl(token_ttl: Duration);
     }
 
     /// Turns fail-open on with `guard` (default off: a guarded request

@@ -783,56 +783,19 @@ mod fail_open_tests {
     use std::convert::Infallible;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use async_trait::async_trait;
-    use idem_core::{Begin, BeginRequest, Lease, Phase, Record, Store, StoredResponse};
+    use idem_core::MemoryStore;
+    use idem_testkit::{faulty::Op, Fault, FaultyStore};
     use tower::ServiceExt;
     use tower_layer::Layer;
 
     use super::*;
     use crate::{FailOpenGuard, IdempotencyLayer};
 
-    /// A store whose every call fails with the error it was made with.
-    #[derive(Debug)]
-    struct Down(fn() -> StoreError);
-
-    fn refused() -> StoreError {
-        StoreError::unavailable(Phase::Begin, "connection refused")
-    }
-
-    fn full_store() -> StoreError {
-        StoreError::Full {
-            detail: "at capacity".into(),
-        }
-    }
-
-    #[async_trait]
-    impl Store for Down {
-        async fn begin(&self, _: &BeginRequest) -> Result<Begin, StoreError> {
-            Err((self.0)())
-        }
-        async fn complete(
-            &self,
-            _: &Lease,
-            _: &StoredResponse,
-            _: Duration,
-        ) -> Result<(), StoreError> {
-            Err((self.0)())
-        }
-        async fn release(&self, _: &Lease) -> Result<(), StoreError> {
-            Err((self.0)())
-        }
-        async fn extend(&self, _: &Lease, _: Duration) -> Result<Lease, StoreError> {
-            Err((self.0)())
-        }
-        async fn get(&self, _: &Scope, _: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-            Err((self.0)())
-        }
-        async fn delete(&self, _: &Scope, _: &IdempotencyKey) -> Result<bool, StoreError> {
-            Err((self.0)())
-        }
-        async fn purge_expired(&self) -> Result<u64, StoreError> {
-            Err((self.0)())
-        }
+    /// A store whose every call fails with `fault`.
+    fn down(fault: Fault) -> FaultyStore<MemoryStore> {
+        let store = FaultyStore::new(MemoryStore::new());
+        store.set_each(&Op::ALL, fault);
+        store
     }
 
     #[derive(Debug)]
@@ -878,7 +841,8 @@ mod fail_open_tests {
 
     #[tokio::test]
     async fn the_buffered_request_is_forwarded_once_and_marked() {
-        let layer = IdempotencyLayer::new(Down(refused)).with_fail_open(Arc::new(Allow(true)));
+        let layer =
+            IdempotencyLayer::new(down(Fault::Unavailable)).with_fail_open(Arc::new(Allow(true)));
         let (resp, body, calls) = send(&layer, "/orders").await;
         assert_eq!(resp.status, StatusCode::OK);
         assert_eq!(resp.headers[IDEMPOTENCY_STATUS], "unprotected");
@@ -889,10 +853,10 @@ mod fail_open_tests {
 
     #[tokio::test]
     async fn otherwise_the_answer_is_503_and_nothing_runs() {
-        let closed = IdempotencyLayer::new(Down(refused));
+        let closed = IdempotencyLayer::new(down(Fault::Unavailable));
         let refused_by_guard =
-            IdempotencyLayer::new(Down(refused)).with_fail_open(Arc::new(Allow(false)));
-        let token_route = IdempotencyLayer::new(Down(refused))
+            IdempotencyLayer::new(down(Fault::Unavailable)).with_fail_open(Arc::new(Allow(false)));
+        let token_route = IdempotencyLayer::new(down(Fault::Unavailable))
             .with_fail_open(Arc::new(Allow(true)))
             .with_require_token(["/orders"]);
         for (layer, kind) in [
@@ -900,7 +864,8 @@ mod fail_open_tests {
             (refused_by_guard, "store-unavailable"),
             (token_route, "store-unavailable"),
             (
-                IdempotencyLayer::new(Down(full_store)).with_fail_open(Arc::new(Allow(true))),
+                IdempotencyLayer::new(down(Fault::Full("at capacity")))
+                    .with_fail_open(Arc::new(Allow(true))),
                 "store-full",
             ),
         ] {

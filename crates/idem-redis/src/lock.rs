@@ -1,42 +1,22 @@
 //! [`RedisLockBackend`]: the lock steps of `idem_core::lock` as Lua scripts.
 
-use std::sync::OnceLock;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::lock::{new_owner_token, LockBackend, LockError, LockLease, LockOp, TryAcquire};
 use idem_core::{duration_ms, Millis, StoreError};
-use redis::{ErrorKind, Script, ServerErrorKind, Value};
+use redis::Value;
 use sha2::{Digest, Sha256};
 
 use crate::conn::{self, Conn, ConnectSettings, NoPush};
 use crate::options::RedisOptions;
+use crate::scripts::{self, Lua};
 use crate::target::Target;
 
-/// One embedded script: its source (for `EVAL`) and, once needed, its
-/// SHA-1 (for `EVALSHA`).
-#[derive(Debug)]
-struct Lua {
-    source: &'static str,
-    script: OnceLock<Script>,
-}
-
-impl Lua {
-    const fn new(source: &'static str) -> Self {
-        Self {
-            source,
-            script: OnceLock::new(),
-        }
-    }
-
-    fn script(&self) -> &Script {
-        self.script.get_or_init(|| Script::new(self.source))
-    }
-}
-
-static ACQUIRE: Lua = Lua::new(include_str!("../lua/lock_acquire.lua"));
-static EXTEND: Lua = Lua::new(include_str!("../lua/lock_extend.lua"));
-static RELEASE: Lua = Lua::new(include_str!("../lua/lock_release.lua"));
+static ACQUIRE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("../lua/lock_acquire.lua")));
+static EXTEND: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("../lua/lock_extend.lua")));
+static RELEASE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("../lua/lock_release.lua")));
 
 /// A lock backend on Redis 7+ (one server or a Cluster): one Lua script per
 /// step, atomic on the server, timed by the server's clock.
@@ -143,33 +123,12 @@ impl RedisLockBackend {
     async fn run(
         &self,
         op: LockOp,
-        lua: &'static Lua,
+        lua: &Lua,
         keys: &[&str],
         args: &[&[u8]],
     ) -> Result<Value, LockError> {
-        let call = |first: &str, body: &str| {
-            let mut c = redis::cmd(first);
-            c.arg(body).arg(keys.len());
-            for k in keys {
-                c.arg(*k);
-            }
-            for a in args {
-                c.arg(*a);
-            }
-            c
-        };
         let mut conn = self.conn.clone();
-        let fut = async {
-            match call("EVALSHA", lua.script().get_hash())
-                .query_async::<Value>(&mut conn)
-                .await
-            {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    call("EVAL", lua.source).query_async(&mut conn).await
-                }
-                other => other,
-            }
-        };
+        let fut = scripts::eval(&mut conn, lua.hash(), lua.source(), keys, args);
         match tokio::time::timeout(self.response_timeout, fut).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) if e.is_timeout() => Err(LockError::Timeout {

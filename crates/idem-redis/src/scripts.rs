@@ -9,7 +9,9 @@
 
 use std::sync::LazyLock;
 
-use redis::Script;
+use redis::{ErrorKind, RedisResult, Script, ServerErrorKind, Value};
+
+use crate::conn::Conn;
 
 /// One embedded script: its source and its SHA-1 (for `EVALSHA`).
 #[derive(Debug)]
@@ -19,7 +21,7 @@ pub(crate) struct Lua {
 }
 
 impl Lua {
-    fn new(source: &'static str) -> Self {
+    pub(crate) fn new(source: &'static str) -> Self {
         Self {
             script: Script::new(source),
             source,
@@ -39,6 +41,35 @@ impl Lua {
     /// The full source, for `EVAL`.
     pub(crate) fn source(&self) -> &'static str {
         self.source
+    }
+}
+
+/// Calls a script by its SHA-1 `hash` with `keys` and `args` (`EVALSHA`),
+/// and on `NOSCRIPT` sends the same call as `EVAL` with its `source`.
+/// Unbounded: the caller puts its own timeout around it.
+pub(crate) async fn eval(
+    conn: &mut Conn,
+    hash: &str,
+    source: &str,
+    keys: &[&str],
+    args: &[&[u8]],
+) -> RedisResult<Value> {
+    let call = |first: &str, body: &str| {
+        let mut c = redis::cmd(first);
+        c.arg(body).arg(keys.len());
+        for k in keys {
+            c.arg(*k);
+        }
+        for a in args {
+            c.arg(*a);
+        }
+        c
+    };
+    match call("EVALSHA", hash).query_async(conn).await {
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            call("EVAL", source).query_async(conn).await
+        }
+        other => other,
     }
 }
 

@@ -9,7 +9,7 @@ use idem_core::{
     RecordState, Scope, Store, StoreError, StoredResponse,
 };
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
-use redis::{ErrorKind, ServerErrorKind, Value};
+use redis::Value;
 
 use crate::conn::{self, bounded, Conn, ConnectSettings, NoPush};
 use crate::keys::{record_pattern, RecordKeys};
@@ -151,26 +151,12 @@ impl RedisStore {
         keys: &[&str],
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
-        let call = |first: &str, script: &str| {
-            let mut c = redis::cmd(first);
-            c.arg(script).arg(keys.len());
-            for k in keys {
-                c.arg(*k);
-            }
-            for a in args {
-                c.arg(*a);
-            }
-            c
-        };
         let mut conn = self.inner.conn.clone();
-        bounded(phase, self.inner.options.response_timeout, async {
-            match call("EVALSHA", lua.hash()).query_async(&mut conn).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    call("EVAL", lua.source()).query_async(&mut conn).await
-                }
-                other => other,
-            }
-        })
+        bounded(
+            phase,
+            self.inner.options.response_timeout,
+            scripts::eval(&mut conn, lua.hash(), lua.source(), keys, args),
+        )
         .await
     }
 

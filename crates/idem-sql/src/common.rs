@@ -616,9 +616,59 @@ macro_rules! option_setters {
 }
 pub(crate) use option_setters;
 
+/// `Debug` for a store's option struct whose `url` field is a `String`:
+/// every field as `#[derive(Debug)]` would print it, but the URL's
+/// password as `***` ([`idem_core::url::redact`]). Lists every other
+/// field by name; a field left out does not compile.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+macro_rules! debug_redacting_url {
+    ($ty:ident { $($field:ident),* $(,)? }) => {
+        impl std::fmt::Debug for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                let $ty { url, $($field),* } = self;
+                f.debug_struct(stringify!($ty))
+                    .field("url", &idem_core::url::redact(url))
+                    $(.field(stringify!($field), $field))*
+                    .finish()
+            }
+        }
+    };
+}
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use debug_redacting_url;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The option structs made with [`debug_redacting_url!`] show their
+    /// URL with the password as `***`, their other fields as derived, and
+    /// keep the URL itself whole.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[test]
+    fn option_debug_redacts_the_url_password() {
+        let cases = [
+            #[cfg(feature = "postgres")]
+            {
+                let url = "postgres://idem:s3cret@db.internal:5432/app?sslmode=require";
+                let o = crate::PostgresOptions::new(url);
+                ("PostgresOptions", format!("{o:?}"), url, o.url)
+            },
+            #[cfg(feature = "mysql")]
+            {
+                let url = "mysql://idem:s3cret@db.internal:3306/app";
+                let o = crate::MySqlOptions::new(url);
+                ("MySqlOptions", format!("{o:?}"), url, o.url)
+            },
+        ];
+        for (name, shown, given, kept) in cases {
+            assert!(!shown.contains("s3cret"), "{shown}");
+            let head = format!("{name} {{ url: {:?}, ", given.replace("s3cret", "***"));
+            assert!(shown.starts_with(&head), "{shown}");
+            assert!(shown.contains(", max_connections: 16, "), "{shown}");
+            assert_eq!(kept, given, "the URL itself is kept whole");
+        }
+    }
 
     #[test]
     fn identifiers() {
@@ -663,5 +713,33 @@ mod tests {
             let d = backoff(attempt);
             assert!(d >= Duration::from_micros(2500) && d <= Duration::from_millis(480));
         }
+    }
+}
+
+/// Compile-time check: every store's constructor futures are `Send`, so a
+/// store can be built inside `tokio::spawn` (this module fails to compile
+/// otherwise).
+#[cfg(test)]
+#[allow(dead_code)]
+mod send_check {
+    fn assert_send<T: Send>(_: T) {}
+
+    fn sqlite_constructor_futures_are_send(pool: sqlx::SqlitePool) {
+        assert_send(crate::SqliteStore::from_pool(pool));
+        assert_send(crate::SqliteStore::open(""));
+    }
+
+    #[cfg(feature = "postgres")]
+    fn postgres_constructor_futures_are_send(pool: sqlx::PgPool) {
+        assert_send(crate::PostgresStore::from_pool(pool));
+        assert_send(crate::PostgresStore::connect_with(
+            crate::PostgresOptions::new(""),
+        ));
+    }
+
+    #[cfg(feature = "mysql")]
+    fn mysql_constructor_futures_are_send(pool: sqlx::MySqlPool) {
+        assert_send(crate::MySqlStore::from_pool(pool));
+        assert_send(crate::MySqlStore::connect(""));
     }
 }

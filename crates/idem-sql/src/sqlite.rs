@@ -537,15 +537,3 @@ mod tests {
         }
     }
 }
-
-/// Compile-time check: the constructors' futures are `Send`, so a store can
-/// be built inside `tokio::spawn` (this module fails to compile otherwise).
-#[cfg(test)]
-mod send_check {
-    fn assert_send<T: Send>(_: T) {}
-    #[allow(dead_code)]
-    fn constructor_futures_are_send(pool: sqlx::SqlitePool) {
-        assert_send(super::SqliteStore::from_pool(pool));
-        assert_send(super::SqliteStore::open(""));
-    }
-}
