@@ -380,7 +380,7 @@ mod sqlite {
 #[cfg(feature = "postgres")]
 mod postgres {
     async fn pool(lc_messages: Option<&'static str>) -> sqlx::PgPool {
-        servers::pg_pool_with(servers::pool_options::<sqlx::Postgres>(8).after_connect(
+        servers::pool_with(servers::pool_options::<sqlx::Postgres>(8).after_connect(
             move |conn, _| {
                 Box::pin(async move {
                     if let Some(lc) = lc_messages {

@@ -28,7 +28,7 @@ async fn done(b: My) {
 }
 
 async fn my() -> My {
-    let pool = servers::my_pool_with(servers::pool_options::<sqlx::MySql>(20).after_connect(
+    let pool = servers::pool_with(servers::pool_options::<sqlx::MySql>(20).after_connect(
         |conn, _| {
             Box::pin(async move {
                 conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")

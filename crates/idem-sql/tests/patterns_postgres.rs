@@ -41,6 +41,14 @@ pc::pattern_checks!(
     }
 );
 
+/// Starts a REPEATABLE READ transaction on `b`'s pool.
+async fn rr_begin(b: &Pg) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    b.pool
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .expect("begin")
+}
+
 /// Starts a REPEATABLE READ transaction and reads row `id` (taking the
 /// snapshot); returns it with the state it saw.
 async fn rr_reader(
@@ -48,11 +56,7 @@ async fn rr_reader(
     t: &str,
     id: i64,
 ) -> (sqlx::Transaction<'static, sqlx::Postgres>, String) {
-    let mut tx = b
-        .pool
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        .await
-        .expect("begin");
+    let mut tx = rr_begin(b).await;
     let seen: String = sqlx::query_scalar(&format!("SELECT state FROM {t} WHERE id = {id}"))
         .fetch_one(&mut *tx)
         .await
@@ -130,11 +134,7 @@ async fn insert_or_get_repeatable_read_invisible_row() {
     let b = pg().await;
     let t = pc::keyed_table(&b).await;
     let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
-    let mut tx = b
-        .pool
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        .await
-        .unwrap();
+    let mut tx = rr_begin(&b).await;
     let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
         .fetch_one(&mut *tx)
         .await
@@ -145,11 +145,7 @@ async fn insert_or_get_repeatable_read_invisible_row() {
     assert!(first.inserted);
     pc::expect_serialization_failure(iog.insert_or_get(&mut *tx, "k", &[]).await);
     tx.rollback().await.unwrap();
-    let mut tx = b
-        .pool
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        .await
-        .unwrap();
+    let mut tx = rr_begin(&b).await;
     let again = iog.insert_or_get(&mut *tx, "k", &[]).await.unwrap();
     assert_eq!((again.id, again.inserted), (first.id, false));
     tx.commit().await.unwrap();
