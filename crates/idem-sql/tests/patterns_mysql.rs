@@ -62,10 +62,7 @@ pc::pattern_checks!(
     /// see the winner's row; the locking read does.
     insert_or_get_16_repeatable_read_transactions = |pool, t| async move {
         let mut tx = pool.begin().await.expect("begin");
-        let _: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
-            .fetch_one(&mut *tx)
-            .await
-            .expect("snapshot");
+        let _: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;
         Some(tx)
     }
 );
@@ -76,15 +73,14 @@ pc::pattern_checks!(
 #[tokio::test]
 async fn repeatable_read_stale_snapshot_conflict_latest() {
     let b = my().await;
-    let t = pc::state_table(&b, 1).await;
-    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let (t, sm) = pc::state_machine(&b, 1).await;
     let mut c = b.pool.acquire().await.unwrap();
     let mut tx = c.begin().await.unwrap();
     let read = format!("SELECT CAST(state AS CHAR) FROM {t} WHERE id = 0");
-    let seen: String = sqlx::query_scalar(&read).fetch_one(&mut *tx).await.unwrap();
+    let seen: String = pc::scalar_in(&mut *tx, &read).await;
     assert_eq!(seen, "pending");
     pc::complete_elsewhere(&b, &sm, 0).await;
-    let still: String = sqlx::query_scalar(&read).fetch_one(&mut *tx).await.unwrap();
+    let still: String = pc::scalar_in(&mut *tx, &read).await;
     assert_eq!(still, "pending", "the snapshot is stale (REPEATABLE READ)");
     pc::expect_cancel_conflicts(&sm, &mut *tx).await;
     // AlreadyIn from the latest state too.
@@ -109,10 +105,7 @@ async fn insert_or_get_repeatable_read_invisible_row() {
     let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
     let mut c = b.pool.acquire().await.unwrap();
     let mut tx = c.begin().await.unwrap();
-    let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let n: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;
     assert_eq!(n, 0);
     let mut other = b.pool.acquire().await.unwrap();
     let first = iog.insert_or_get(&mut *other, "k", &[]).await.unwrap();

@@ -57,10 +57,8 @@ async fn rr_reader(
     id: i64,
 ) -> (sqlx::Transaction<'static, sqlx::Postgres>, String) {
     let mut tx = rr_begin(b).await;
-    let seen: String = sqlx::query_scalar(&format!("SELECT state FROM {t} WHERE id = {id}"))
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let seen: String =
+        pc::scalar_in(&mut *tx, &format!("SELECT state FROM {t} WHERE id = {id}")).await;
     (tx, seen)
 }
 
@@ -70,8 +68,7 @@ async fn rr_reader(
 #[tokio::test]
 async fn repeatable_read_stale_snapshot_in_from() {
     let b = pg().await;
-    let t = pc::state_table(&b, 1).await;
-    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let (t, sm) = pc::state_machine(&b, 1).await;
     let (mut tx, seen) = rr_reader(&b, &t, 0).await;
     assert_eq!(seen, "pending");
     pc::complete_elsewhere(&b, &sm, 0).await;
@@ -111,13 +108,10 @@ async fn repeatable_read_stale_snapshot_outside_from() {
 #[tokio::test]
 async fn read_committed_transaction_sees_latest() {
     let b = pg().await;
-    let t = pc::state_table(&b, 1).await;
-    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let (t, sm) = pc::state_machine(&b, 1).await;
     let mut tx = b.pool.begin().await.unwrap();
-    let seen: String = sqlx::query_scalar(&format!("SELECT state FROM {t} WHERE id = 0"))
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let seen: String =
+        pc::scalar_in(&mut *tx, &format!("SELECT state FROM {t} WHERE id = 0")).await;
     assert_eq!(seen, "pending");
     b.exec(&format!("UPDATE {t} SET state = 'completed' WHERE id = 0"))
         .await;
@@ -135,10 +129,7 @@ async fn insert_or_get_repeatable_read_invisible_row() {
     let t = pc::keyed_table(&b).await;
     let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
     let mut tx = rr_begin(&b).await;
-    let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let n: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;
     assert_eq!(n, 0);
     let mut other = b.pool.acquire().await.unwrap();
     let first = iog.insert_or_get(&mut *other, "k", &[]).await.unwrap();

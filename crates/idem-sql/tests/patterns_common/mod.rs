@@ -193,6 +193,27 @@ pub fn table<B: Backend>(b: &B, what: &str) -> String {
     )
 }
 
+/// A [`state_table`] of `rows` rows and the state machine on its `id` and
+/// `state`.
+pub async fn state_machine<B: Backend>(b: &B, rows: i64) -> (String, StateMachine) {
+    let t = state_table(b, rows).await;
+    let sm = StateMachine::new(&t, "id", "state").expect("names");
+    (t, sm)
+}
+
+/// The one value `sql` reads on `conn` (in a transaction: as its snapshot
+/// sees it; a read of the table takes the snapshot).
+pub async fn scalar_in<C, O>(conn: &mut C, sql: &str) -> O
+where
+    C: sqlx::Connection,
+    O: Send + Unpin,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    for<'r> (O,): sqlx::FromRow<'r, <C::Database as sqlx::Database>::Row>,
+    for<'q> <C::Database as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, C::Database>,
+{
+    sqlx::query_scalar(sql).fetch_one(conn).await.expect(sql)
+}
+
 /// `id BIGINT PK, state, note, version`, rows 0..n in `pending`.
 pub async fn state_table<B: Backend>(b: &B, rows: i64) -> String {
     let t = table(b, "sm");
@@ -221,8 +242,7 @@ pub async fn state_of<B: Backend>(b: &B, t: &str, id: i64) -> Option<String> {
 /// gets `Conflict(winner's state)`.
 pub async fn i2_race<B: Backend>(b: &B) {
     const ROUNDS: i64 = 20;
-    let t = state_table(b, ROUNDS).await;
-    let sm = StateMachine::new(&t, "id", "state").expect("names");
+    let (t, sm) = state_machine(b, ROUNDS).await;
     let mut wins = [0usize; 2];
     for id in 0..ROUNDS {
         // Two connections, taken before the start line.
@@ -269,8 +289,7 @@ pub async fn i2_race<B: Backend>(b: &B) {
 /// Sequential answers: Transitioned, AlreadyIn, Conflict, NotFound; a
 /// transition from several states; argument checks; rollback.
 pub async fn transition_answers<B: Backend>(b: &B) {
-    let t = state_table(b, 3).await;
-    let sm = StateMachine::new(&t, "id", "state").expect("names");
+    let (t, sm) = state_machine(b, 3).await;
     let mut c = b.pool().acquire().await.expect("conn");
     let c = &mut *c;
     assert_eq!(
@@ -672,8 +691,7 @@ pub fn bad_identifiers() {
 
 /// Bad column names in `set` / `values` are refused at call time.
 pub async fn bad_set_columns<B: Backend>(b: &B) {
-    let t = state_table(b, 1).await;
-    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let (t, sm) = state_machine(b, 1).await;
     let v = Versioned::new(&t, "id", "version").unwrap();
     let iog = InsertOrGet::new(&t, "id", "note").unwrap();
     let mut c = b.pool().acquire().await.expect("conn");
