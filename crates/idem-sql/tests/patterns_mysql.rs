@@ -101,8 +101,7 @@ async fn repeatable_read_stale_snapshot_conflict_latest() {
 #[tokio::test]
 async fn insert_or_get_repeatable_read_invisible_row() {
     let b = my().await;
-    let t = pc::keyed_table(&b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
+    let (t, iog) = pc::keyed_insert_or_get(&b).await;
     let mut c = b.pool.acquire().await.unwrap();
     let mut tx = c.begin().await.unwrap();
     let n: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;

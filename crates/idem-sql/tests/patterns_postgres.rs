@@ -126,8 +126,7 @@ async fn read_committed_transaction_sees_latest() {
 #[tokio::test]
 async fn insert_or_get_repeatable_read_invisible_row() {
     let b = pg().await;
-    let t = pc::keyed_table(&b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
+    let (t, iog) = pc::keyed_insert_or_get(&b).await;
     let mut tx = rr_begin(&b).await;
     let n: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;
     assert_eq!(n, 0);
@@ -148,8 +147,7 @@ async fn insert_or_get_repeatable_read_invisible_row() {
 #[tokio::test]
 async fn insert_or_get_leaves_transaction_usable() {
     let b = pg().await;
-    let t = pc::keyed_table(&b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
+    let (t, iog) = pc::keyed_insert_or_get(&b).await;
     let mut c = b.pool.acquire().await.unwrap();
     let first = iog.insert_or_get(&mut *c, "k", &[]).await.unwrap();
     let mut tx = c.begin().await.unwrap();

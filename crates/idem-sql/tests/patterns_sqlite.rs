@@ -97,8 +97,7 @@ async fn text_ids_and_schema_prefix() {
 #[tokio::test]
 async fn busy_writer_is_a_typed_retryable_error() {
     let b = sqlite().await;
-    let t = pc::keyed_table(&b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
+    let (t, iog) = pc::keyed_insert_or_get(&b).await;
     let mut holder = b.pool.acquire().await.unwrap();
     let tx = holder.begin_with("BEGIN IMMEDIATE").await.unwrap();
     let mut impatient = sqlx::SqliteConnection::connect_with(

@@ -450,6 +450,13 @@ pub async fn versioned<B: Backend>(b: &B) {
     }
 }
 
+/// A [`keyed_table`] and the insert-or-get on its `id` and `biz_key`.
+pub async fn keyed_insert_or_get<B: Backend>(b: &B) -> (String, InsertOrGet) {
+    let t = keyed_table(b).await;
+    let iog = InsertOrGet::new(&t, "id", "biz_key").expect("names");
+    (t, iog)
+}
+
 /// `id` auto, `biz_key` unique, `note`, `other` unique.
 pub async fn keyed_table<B: Backend>(b: &B) -> String {
     let t = table(b, "iog");
@@ -466,8 +473,7 @@ pub async fn keyed_table<B: Backend>(b: &B) -> String {
 /// Insert-or-get, sequential: insert, get, values round-trip, another
 /// unique key's violation is an error, bad arguments.
 pub async fn insert_or_get_basics<B: Backend>(b: &B) {
-    let t = keyed_table(b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").expect("names");
+    let (t, iog) = keyed_insert_or_get(b).await;
     let mut c = b.pool().acquire().await.expect("conn");
     let c = &mut *c;
     let tricky = "O'Brien \"q\" `b` ; -- \\ ünïcødé 😀 '); DROP TABLE x; --";
@@ -532,8 +538,7 @@ where
     Fut: std::future::Future<Output = Option<sqlx::Transaction<'static, B::Db>>>,
 {
     const N: usize = 16;
-    let t = keyed_table(b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").expect("names");
+    let (t, iog) = keyed_insert_or_get(b).await;
     for round in 0..5 {
         let key = format!("order-{round}-{}", idem_testkit::support::random_hex(6));
         let barrier = Arc::new(Barrier::new(N));
@@ -720,8 +725,7 @@ pub async fn bad_set_columns<B: Backend>(b: &B) {
 /// one row, one id, no error.
 pub async fn insert_or_get_after_rollback<B: Backend>(b: &B) {
     const N: usize = 6;
-    let t = keyed_table(b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").expect("names");
+    let (t, iog) = keyed_insert_or_get(b).await;
     for round in 0..3 {
         let key = format!("rb-{round}");
         let mut holder = b.pool().begin().await.expect("begin");
