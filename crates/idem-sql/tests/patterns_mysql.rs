@@ -53,6 +53,15 @@ async fn my() -> My {
     }
 }
 
+/// A database (see [`my`]) with the tables `ddl` makes, `{p}` in it
+/// standing for this run's table-name prefix; with that prefix.
+async fn my_with_tables(ddl: &str) -> (My, String) {
+    let b = my().await;
+    let p = format!("{}pat_{}", b.prefix(), b.tag);
+    b.exec(&ddl.replace("{p}", &p)).await;
+    (b, p)
+}
+
 pc::pattern_checks!(
     server: my(),
     done,
@@ -126,14 +135,12 @@ async fn insert_or_get_repeatable_read_invisible_row() {
 /// A unique index over (key, other) is not enough; the primary key is.
 #[tokio::test]
 async fn insert_or_get_needs_a_unique_key_column() {
-    let b = my().await;
-    let p = format!("{}pat_{}", b.prefix(), b.tag);
-    b.exec(&format!(
+    let (b, p) = my_with_tables(
         "CREATE TABLE {p}plain (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(20) NOT NULL); \
          CREATE TABLE {p}pair (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(20) NOT NULL, \
            o INT NOT NULL DEFAULT 0, UNIQUE KEY k_o (k, o)); \
-         CREATE TABLE {p}pk (k VARCHAR(20) PRIMARY KEY, n INT)"
-    ))
+         CREATE TABLE {p}pk (k VARCHAR(20) PRIMARY KEY, n INT)",
+    )
     .await;
     let mut c = b.pool.acquire().await.unwrap();
     for t in ["plain", "pair"] {
@@ -165,13 +172,11 @@ async fn insert_or_get_needs_a_unique_key_column() {
 /// an AUTO_INCREMENT id (not a read by key), the given id otherwise.
 #[tokio::test]
 async fn insert_or_get_returns_the_inserted_rows_id() {
-    let b = my().await;
-    let p = format!("{}pat_{}", b.prefix(), b.tag);
-    b.exec(&format!(
+    let (b, p) = my_with_tables(
         "CREATE TABLE {p}auto (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(20) NOT NULL UNIQUE) \
            AUTO_INCREMENT = 1000; \
-         CREATE TABLE {p}given (id VARCHAR(20) PRIMARY KEY, k VARCHAR(20) NOT NULL UNIQUE)"
-    ))
+         CREATE TABLE {p}given (id VARCHAR(20) PRIMARY KEY, k VARCHAR(20) NOT NULL UNIQUE)",
+    )
     .await;
     let mut c = b.pool.acquire().await.unwrap();
     let auto = InsertOrGet::new(&format!("{p}auto"), "id", "k").unwrap();
