@@ -115,16 +115,9 @@ async fn insert_or_get_repeatable_read_invisible_row() {
     let mut tx = c.begin().await.unwrap();
     let n: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;
     assert_eq!(n, 0);
-    let mut other = b.pool.acquire().await.unwrap();
-    let first = iog.insert_or_get(&mut *other, "k", &[]).await.unwrap();
-    assert!(first.inserted);
-    let again = iog.insert_or_get(&mut *tx, "k", &[]).await.unwrap();
-    assert_eq!((&again.id, again.inserted), (&first.id, false));
-    let more = iog.insert_or_get(&mut *tx, "k2", &[]).await.unwrap();
-    assert!(more.inserted);
-    tx.commit().await.unwrap();
-    assert_eq!(b.int(&format!("SELECT COUNT(*) FROM {t}")).await, 2);
-    drop((c, other));
+    let first = pc::insert_elsewhere(&b, &iog, "k").await;
+    pc::duplicate_then_go_on(&b, &t, &iog, tx, &first).await;
+    drop(c);
     done(b).await;
 }
 

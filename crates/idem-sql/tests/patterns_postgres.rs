@@ -130,9 +130,7 @@ async fn insert_or_get_repeatable_read_invisible_row() {
     let mut tx = rr_begin(&b).await;
     let n: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;
     assert_eq!(n, 0);
-    let mut other = b.pool.acquire().await.unwrap();
-    let first = iog.insert_or_get(&mut *other, "k", &[]).await.unwrap();
-    assert!(first.inserted);
+    let first = pc::insert_elsewhere(&b, &iog, "k").await;
     pc::expect_serialization_failure(iog.insert_or_get(&mut *tx, "k", &[]).await);
     tx.rollback().await.unwrap();
     let mut tx = rr_begin(&b).await;
@@ -150,13 +148,8 @@ async fn insert_or_get_leaves_transaction_usable() {
     let (t, iog) = pc::keyed_insert_or_get(&b).await;
     let mut c = b.pool.acquire().await.unwrap();
     let first = iog.insert_or_get(&mut *c, "k", &[]).await.unwrap();
-    let mut tx = c.begin().await.unwrap();
-    let again = iog.insert_or_get(&mut *tx, "k", &[]).await.unwrap();
-    assert_eq!((&again.id, again.inserted), (&first.id, false));
-    let more = iog.insert_or_get(&mut *tx, "k2", &[]).await.unwrap();
-    assert!(more.inserted);
-    tx.commit().await.unwrap();
-    assert_eq!(b.int(&format!("SELECT COUNT(*) FROM {t}")).await, 2);
+    let tx = c.begin().await.unwrap();
+    pc::duplicate_then_go_on(&b, &t, &iog, tx, &first).await;
     done(b).await;
 }
 

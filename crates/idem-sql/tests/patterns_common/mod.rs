@@ -450,6 +450,24 @@ pub async fn versioned<B: Backend>(b: &B) {
     }
 }
 
+/// In `tx`, after `first` was inserted for `"k"` elsewhere: `"k"` again
+/// is found (`first`'s id, not inserted) and the transaction goes on (it
+/// inserts `"k2"`) and commits; `t` then holds both rows.
+pub async fn duplicate_then_go_on<B: Backend>(
+    b: &B,
+    t: &str,
+    iog: &InsertOrGet,
+    mut tx: sqlx::Transaction<'_, B::Db>,
+    first: &Created,
+) {
+    let again = iog.insert_or_get(&mut *tx, "k", &[]).await.unwrap();
+    assert_eq!((&again.id, again.inserted), (&first.id, false));
+    let more = iog.insert_or_get(&mut *tx, "k2", &[]).await.unwrap();
+    assert!(more.inserted);
+    tx.commit().await.unwrap();
+    assert_eq!(b.int(&format!("SELECT COUNT(*) FROM {t}")).await, 2);
+}
+
 /// A [`keyed_table`] and the insert-or-get on its `id` and `biz_key`.
 pub async fn keyed_insert_or_get<B: Backend>(b: &B) -> (String, InsertOrGet) {
     let t = keyed_table(b).await;
@@ -570,6 +588,15 @@ where
         }
         one_row_one_id(b, &t, &key, round, tasks).await;
     }
+}
+
+/// Another connection inserts `key` (while a check's transaction holds an
+/// older snapshot): a new row.
+pub async fn insert_elsewhere<B: Backend>(b: &B, iog: &InsertOrGet, key: &str) -> Created {
+    let mut other = b.pool().acquire().await.expect("conn");
+    let first = iog.insert_or_get(&mut *other, key, &[]).await.unwrap();
+    assert!(first.inserted);
+    first
 }
 
 /// Another connection moves row `id` from `pending` to `completed` (while a
