@@ -6,17 +6,13 @@
 //!
 //! `cargo bench -p idem-sql --bench mysql`
 
-// `criterion_group!` defines an undocumented `pub fn`.
-#![allow(missing_docs)]
-
 mod common;
-#[path = "../tests/servers/mod.rs"]
-mod servers;
 
+use common::servers::Server;
 use idem_sql::{MySqlOptions, MySqlStore};
 
 common::server_bench!(
-    "mysql", "MySQL", servers::my_url, servers::START_MY,
+    "mysql", Server::MySql,
     |url, table| MySqlStore::connect_with(MySqlOptions::new(&url).with_table(&table)),
     drop: "DROP TABLE IF EXISTS `{0}`, `{0}_fence`"
 );

@@ -6,17 +6,13 @@
 //!
 //! `cargo bench -p idem-sql --bench postgres`
 
-// `criterion_group!` defines an undocumented `pub fn`.
-#![allow(missing_docs)]
-
 mod common;
-#[path = "../tests/servers/mod.rs"]
-mod servers;
 
+use common::servers::Server;
 use idem_sql::{PostgresOptions, PostgresStore};
 
 common::server_bench!(
-    "postgres", "PostgreSQL", servers::pg_url, servers::START_PG,
+    "postgres", Server::Postgres,
     |url, schema| PostgresStore::connect_with(PostgresOptions::new(&url).with_schema(&schema)),
     drop: "DROP SCHEMA IF EXISTS \"{0}\" CASCADE"
 );

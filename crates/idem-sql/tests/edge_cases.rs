@@ -35,14 +35,22 @@ async fn pg() -> (sqlx::PgPool, String) {
     (pool, schema)
 }
 
+/// A fresh schema (see [`pg`]) with the table `{t}` (`<schema>.t`) that
+/// `sql` makes and fills, and a state machine on its `id` and `state`.
+async fn pg_state_table(sql: &str) -> (sqlx::PgPool, String, StateMachine) {
+    let (pool, s) = pg().await;
+    let t = format!("{s}.t");
+    exec(&pool, &sql.replace("{t}", &t)).await;
+    let m = StateMachine::new(&t, "id", "state").unwrap();
+    (pool, s, m)
+}
+
 #[tokio::test]
 async fn pg_huge_from_list_is_a_typed_error() {
-    let (pool, s) = pg().await;
-    let create = format!(
-        "CREATE TABLE {s}.t (id BIGINT PRIMARY KEY, state TEXT); INSERT INTO {s}.t VALUES (1, 'a')"
-    );
-    exec(&pool, &create).await;
-    let m = StateMachine::new(&format!("{s}.t"), "id", "state").unwrap();
+    let (pool, s, m) = pg_state_table(
+        "CREATE TABLE {t} (id BIGINT PRIMARY KEY, state TEXT); INSERT INTO {t} VALUES (1, 'a')",
+    )
+    .await;
     let from: Vec<String> = (0..70_000).map(|i| format!("s{i}")).collect();
     let from: Vec<&str> = from.iter().map(String::as_str).collect();
     let mut c = pool.acquire().await.unwrap();
@@ -106,11 +114,10 @@ async fn mysql_huge_from_list_is_a_typed_error() {
 
 #[tokio::test]
 async fn pg_aborted_transaction() {
-    let (pool, s) = pg().await;
-    exec(&pool, &format!(
-        "CREATE TABLE {s}.t (id BIGINT PRIMARY KEY, k TEXT UNIQUE, state TEXT); INSERT INTO {s}.t VALUES (1, 'k1', 'a')"
-    )).await;
-    let m = StateMachine::new(&format!("{s}.t"), "id", "state").unwrap();
+    let (pool, s, m) = pg_state_table(
+        "CREATE TABLE {t} (id BIGINT PRIMARY KEY, k TEXT UNIQUE, state TEXT); INSERT INTO {t} VALUES (1, 'k1', 'a')",
+    )
+    .await;
     let ins = InsertOrGet::new(&format!("{s}.t"), "id", "k").unwrap();
     let mut c = pool.acquire().await.unwrap();
     let mut tx = c.begin().await.unwrap();
@@ -134,11 +141,10 @@ async fn pg_aborted_transaction() {
 
 #[tokio::test]
 async fn pg_odd_states_and_values() {
-    let (pool, s) = pg().await;
-    exec(&pool, &format!(
-        "CREATE TABLE {s}.t (id BIGINT PRIMARY KEY, state TEXT, n INT); INSERT INTO {s}.t VALUES (1, NULL, 0), (2, 'a', 0)"
-    )).await;
-    let m = StateMachine::new(&format!("{s}.t"), "id", "state").unwrap();
+    let (pool, s, m) = pg_state_table(
+        "CREATE TABLE {t} (id BIGINT PRIMARY KEY, state TEXT, n INT); INSERT INTO {t} VALUES (1, NULL, 0), (2, 'a', 0)",
+    )
+    .await;
     let mut c = pool.acquire().await.unwrap();
     let null_state = m.transition(&mut *c, 1, &["a"], "b").await;
     let nul_byte = m.transition(&mut *c, 2, &["a"], "b\0c").await;

@@ -63,12 +63,14 @@ macro_rules! scenarios {
             setup_with($pool.await).await
         }
 
-        /// H1: claims `("c", "m")`, then runs `insert` (that row again, by
-        /// hand, `{0}` the inbox table) and returns the database's error;
-        /// `claim` still answers `Duplicate` afterwards.
-        async fn duplicate_error(inbox: &Inbox<Db>, table: &str, insert: &str) -> sqlx::Error {
+        /// H1: on fresh tables on `pool`, claims `("c", "m")`, then runs
+        /// `insert` (that row again, by hand, `{0}` the inbox table) and
+        /// returns the database's error; `claim` still answers `Duplicate`
+        /// afterwards. The tables are dropped.
+        async fn duplicate_error(pool: sqlx::Pool<Db>, insert: &str) -> sqlx::Error {
+            let (inbox, credits, table) = setup_with(pool).await;
             commit_new(inbox.claim("c", "m").await.unwrap()).await;
-            let err = sqlx::query(&insert.replace("{0}", table))
+            let err = sqlx::query(&insert.replace("{0}", &table))
                 .execute(inbox.pool())
                 .await
                 .unwrap_err();
@@ -76,6 +78,7 @@ macro_rules! scenarios {
                 inbox.claim("c", "m").await.unwrap(),
                 Claim::Duplicate
             ));
+            cleanup(&inbox, &[&credits, &table]).await;
             err
         }
 
@@ -365,22 +368,19 @@ mod sqlite {
     /// (SQLITE_CONSTRAINT_PRIMARYKEY), which `claim` maps to `Duplicate`.
     #[tokio::test]
     async fn h1_sqlite_duplicate_code_is_1555() {
-        let (inbox, credits, table) = setup().await;
         let err = duplicate_error(
-            &inbox,
-            &table,
+            pool().await,
             "INSERT INTO {0} (consumer, message_id, processed_at) VALUES ('c', 'm', 0)",
         )
         .await;
         assert_eq!(code(&err).as_deref(), Some("1555"));
-        cleanup(&inbox, &[&credits, &table]).await;
     }
 }
 
 #[cfg(feature = "postgres")]
 mod postgres {
     async fn pool(lc_messages: Option<&'static str>) -> sqlx::PgPool {
-        servers::pg_pool_with(servers::pool_options::<sqlx::Postgres>(8).after_connect(
+        servers::pool_with(servers::pool_options::<sqlx::Postgres>(8).after_connect(
             move |conn, _| {
                 Box::pin(async move {
                     if let Some(lc) = lc_messages {
@@ -425,15 +425,12 @@ mod postgres {
         if chosen.is_none() {
             eprintln!("no German/French OS locale: lc_messages stays at the server default");
         }
-        let (inbox, credits, table) = setup_with(pool(chosen).await).await;
         let err = duplicate_error(
-            &inbox,
-            &table,
+            pool(chosen).await,
             "INSERT INTO {0} (consumer, message_id) VALUES ('c', 'm')",
         )
         .await;
         assert_eq!(code(&err).as_deref(), Some("23505"), "{err}");
-        cleanup(&inbox, &[&credits, &table]).await;
     }
 
     /// `schema.table` names work.
@@ -476,10 +473,8 @@ mod mysql {
     /// H1 on MySQL/MariaDB: error number 1062.
     #[tokio::test]
     async fn h1_duplicate_by_errno_1062() {
-        let (inbox, credits, table) = setup().await;
         let err = duplicate_error(
-            &inbox,
-            &table,
+            servers::my_pool(8).await,
             "INSERT INTO {0} (consumer, message_id, processed_at) VALUES ('c', 'm', UTC_TIMESTAMP(3))",
         )
         .await;
@@ -488,6 +483,5 @@ mod mysql {
             .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
             .map(|e| e.number());
         assert_eq!(errno, Some(1062));
-        cleanup(&inbox, &[&credits, &table]).await;
     }
 }

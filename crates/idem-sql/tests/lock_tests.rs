@@ -38,23 +38,72 @@ fn drop_table(server: Server, table: &str) -> Cleanup {
     Cleanup::new(server, table, format!("DROP TABLE IF EXISTS {quoted}"))
 }
 
-/// Time passes by sleeping: every SQL backend keeps time by its database.
-struct LeaseHarness {
-    backend: LeaseLockBackend,
+/// A SQL backend under the lock checks: its leases are sessions only for
+/// PostgreSQL advisory locks, where a lapse is the holder's session being
+/// terminated.
+trait SqlLockBackend: LockBackend + Clone {
+    /// See [`LockHarness::session_scoped`].
+    const SESSION_SCOPED: bool = false;
+
+    /// The pid of the database session holding `lease`, if it is one.
+    fn session_pid(&self, lease: &LockLease) -> Option<i32> {
+        let _ = lease;
+        None
+    }
+}
+
+impl SqlLockBackend for LeaseLockBackend {}
+
+impl SqlLockBackend for PgAdvisoryLockBackend {
+    const SESSION_SCOPED: bool = true;
+
+    fn session_pid(&self, lease: &LockLease) -> Option<i32> {
+        PgAdvisoryLockBackend::session_pid(self, lease)
+    }
+}
+
+/// A SQL backend on a fresh table of its own, migrated, dropped when the
+/// check ends. Time passes by sleeping: every SQL backend keeps time by its
+/// database.
+struct SqlHarness<B> {
+    backend: B,
+    /// The PostgreSQL pool of an advisory backend (for `pg_locks` and
+    /// terminating sessions).
+    pool: Option<PgPool>,
     _drop: Option<Cleanup>,
     _dir: Option<tempfile::TempDir>,
 }
 
-#[async_trait]
-impl LockHarness for LeaseHarness {
-    type B = LeaseLockBackend;
+type LeaseHarness = SqlHarness<LeaseLockBackend>;
+type AdvisoryHarness = SqlHarness<PgAdvisoryLockBackend>;
 
-    fn backend(&self) -> LeaseLockBackend {
+#[async_trait]
+impl<B: SqlLockBackend> LockHarness for SqlHarness<B> {
+    type B = B;
+
+    fn backend(&self) -> B {
         self.backend.clone()
     }
 
     async fn sleep(&self, d: Duration) {
         tokio::time::sleep(d).await;
+    }
+
+    fn session_scoped(&self) -> bool {
+        B::SESSION_SCOPED
+    }
+
+    async fn kill_session(&self, lease: &LockLease) {
+        let pid = self
+            .backend
+            .session_pid(lease)
+            .expect("the backend holds this lease's session");
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(self.pool.as_ref().expect("a PostgreSQL pool"))
+            .await
+            .expect("pg_terminate_backend");
+        assert!(killed, "session {pid} was terminated");
     }
 }
 
@@ -70,6 +119,7 @@ impl LeaseHarness {
         backend.migrate().await.expect("migrate");
         Self {
             backend,
+            pool: None,
             _drop: server.map(|s| drop_table(s, &table)),
             _dir: dir,
         }
@@ -94,13 +144,6 @@ impl LeaseHarness {
     }
 }
 
-/// Advisory locks: a lapse is the holder's session being terminated.
-struct AdvisoryHarness {
-    backend: PgAdvisoryLockBackend,
-    pool: PgPool,
-    _drop: Cleanup,
-}
-
 impl AdvisoryHarness {
     async fn new() -> Self {
         let table = table_name();
@@ -111,8 +154,9 @@ impl AdvisoryHarness {
         backend.migrate().await.expect("migrate");
         Self {
             backend,
-            pool,
-            _drop: drop_table(Server::Postgres, &table),
+            pool: Some(pool),
+            _drop: Some(drop_table(Server::Postgres, &table)),
+            _dir: None,
         }
     }
 
@@ -124,39 +168,9 @@ impl AdvisoryHarness {
         )
         .bind((key >> 32) & 0xffff_ffff)
         .bind(key & 0xffff_ffff)
-        .fetch_one(&self.pool)
+        .fetch_one(self.pool.as_ref().expect("a PostgreSQL pool"))
         .await
         .expect("pg_locks")
-    }
-}
-
-#[async_trait]
-impl LockHarness for AdvisoryHarness {
-    type B = PgAdvisoryLockBackend;
-
-    fn backend(&self) -> PgAdvisoryLockBackend {
-        self.backend.clone()
-    }
-
-    async fn sleep(&self, d: Duration) {
-        tokio::time::sleep(d).await;
-    }
-
-    fn session_scoped(&self) -> bool {
-        true
-    }
-
-    async fn kill_session(&self, lease: &LockLease) {
-        let pid = self
-            .backend
-            .session_pid(lease)
-            .expect("the backend holds this lease's session");
-        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-            .bind(pid)
-            .fetch_one(&self.pool)
-            .await
-            .expect("pg_terminate_backend");
-        assert!(killed, "session {pid} was terminated");
     }
 }
 

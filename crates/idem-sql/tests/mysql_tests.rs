@@ -15,16 +15,15 @@ mod common;
 
 use std::time::Duration;
 
-use common::servers::{my_url as url, Server, START_MY as START};
+use common::servers::Server;
 use common::MIN;
 use idem_core::{IdempotencyKey, Store, StoreError};
 use idem_sql::{MySqlOptions, MySqlStore};
 use idem_testkit::support::{acquire, expect_in_flight, fp, fresh_key, fresh_scope, req};
 
 common::server_backend!(
-    MySqlStore, MySqlOptions, sqlx::MySql, "MySQL/MariaDB", url, START,
-    port: 3306, by_key: "scope = ? AND `key` = ?", with_table,
-    Server::MySql,
+    MySqlStore, MySqlOptions, sqlx::MySql, Server::MySql,
+    by_key: "scope = ? AND `key` = ?", with_table,
     drop: "SET SESSION lock_wait_timeout = 5; DROP TABLE IF EXISTS `{0}`, `{0}_fence`"
 );
 

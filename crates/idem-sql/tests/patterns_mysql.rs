@@ -28,7 +28,7 @@ async fn done(b: My) {
 }
 
 async fn my() -> My {
-    let pool = servers::my_pool_with(servers::pool_options::<sqlx::MySql>(20).after_connect(
+    let pool = servers::pool_with(servers::pool_options::<sqlx::MySql>(20).after_connect(
         |conn, _| {
             Box::pin(async move {
                 conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
@@ -53,6 +53,15 @@ async fn my() -> My {
     }
 }
 
+/// A database (see [`my`]) with the tables `ddl` makes, `{p}` in it
+/// standing for this run's table-name prefix; with that prefix.
+async fn my_with_tables(ddl: &str) -> (My, String) {
+    let b = my().await;
+    let p = format!("{}pat_{}", b.prefix(), b.tag);
+    b.exec(&ddl.replace("{p}", &p)).await;
+    (b, p)
+}
+
 pc::pattern_checks!(
     server: my(),
     done,
@@ -62,10 +71,7 @@ pc::pattern_checks!(
     /// see the winner's row; the locking read does.
     insert_or_get_16_repeatable_read_transactions = |pool, t| async move {
         let mut tx = pool.begin().await.expect("begin");
-        let _: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
-            .fetch_one(&mut *tx)
-            .await
-            .expect("snapshot");
+        let _: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;
         Some(tx)
     }
 );
@@ -76,15 +82,14 @@ pc::pattern_checks!(
 #[tokio::test]
 async fn repeatable_read_stale_snapshot_conflict_latest() {
     let b = my().await;
-    let t = pc::state_table(&b, 1).await;
-    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let (t, sm) = pc::state_machine(&b, 1).await;
     let mut c = b.pool.acquire().await.unwrap();
     let mut tx = c.begin().await.unwrap();
     let read = format!("SELECT CAST(state AS CHAR) FROM {t} WHERE id = 0");
-    let seen: String = sqlx::query_scalar(&read).fetch_one(&mut *tx).await.unwrap();
+    let seen: String = pc::scalar_in(&mut *tx, &read).await;
     assert_eq!(seen, "pending");
     pc::complete_elsewhere(&b, &sm, 0).await;
-    let still: String = sqlx::query_scalar(&read).fetch_one(&mut *tx).await.unwrap();
+    let still: String = pc::scalar_in(&mut *tx, &read).await;
     assert_eq!(still, "pending", "the snapshot is stale (REPEATABLE READ)");
     pc::expect_cancel_conflicts(&sm, &mut *tx).await;
     // AlreadyIn from the latest state too.
@@ -105,25 +110,14 @@ async fn repeatable_read_stale_snapshot_conflict_latest() {
 #[tokio::test]
 async fn insert_or_get_repeatable_read_invisible_row() {
     let b = my().await;
-    let t = pc::keyed_table(&b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
+    let (t, iog) = pc::keyed_insert_or_get(&b).await;
     let mut c = b.pool.acquire().await.unwrap();
     let mut tx = c.begin().await.unwrap();
-    let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let n: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;
     assert_eq!(n, 0);
-    let mut other = b.pool.acquire().await.unwrap();
-    let first = iog.insert_or_get(&mut *other, "k", &[]).await.unwrap();
-    assert!(first.inserted);
-    let again = iog.insert_or_get(&mut *tx, "k", &[]).await.unwrap();
-    assert_eq!((&again.id, again.inserted), (&first.id, false));
-    let more = iog.insert_or_get(&mut *tx, "k2", &[]).await.unwrap();
-    assert!(more.inserted);
-    tx.commit().await.unwrap();
-    assert_eq!(b.int(&format!("SELECT COUNT(*) FROM {t}")).await, 2);
-    drop((c, other));
+    let first = pc::insert_elsewhere(&b, &iog, "k").await;
+    pc::duplicate_then_go_on(&b, &t, &iog, tx, &first).await;
+    drop(c);
     done(b).await;
 }
 
@@ -134,14 +128,12 @@ async fn insert_or_get_repeatable_read_invisible_row() {
 /// A unique index over (key, other) is not enough; the primary key is.
 #[tokio::test]
 async fn insert_or_get_needs_a_unique_key_column() {
-    let b = my().await;
-    let p = format!("{}pat_{}", b.prefix(), b.tag);
-    b.exec(&format!(
+    let (b, p) = my_with_tables(
         "CREATE TABLE {p}plain (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(20) NOT NULL); \
          CREATE TABLE {p}pair (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(20) NOT NULL, \
            o INT NOT NULL DEFAULT 0, UNIQUE KEY k_o (k, o)); \
-         CREATE TABLE {p}pk (k VARCHAR(20) PRIMARY KEY, n INT)"
-    ))
+         CREATE TABLE {p}pk (k VARCHAR(20) PRIMARY KEY, n INT)",
+    )
     .await;
     let mut c = b.pool.acquire().await.unwrap();
     for t in ["plain", "pair"] {
@@ -173,13 +165,11 @@ async fn insert_or_get_needs_a_unique_key_column() {
 /// an AUTO_INCREMENT id (not a read by key), the given id otherwise.
 #[tokio::test]
 async fn insert_or_get_returns_the_inserted_rows_id() {
-    let b = my().await;
-    let p = format!("{}pat_{}", b.prefix(), b.tag);
-    b.exec(&format!(
+    let (b, p) = my_with_tables(
         "CREATE TABLE {p}auto (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(20) NOT NULL UNIQUE) \
            AUTO_INCREMENT = 1000; \
-         CREATE TABLE {p}given (id VARCHAR(20) PRIMARY KEY, k VARCHAR(20) NOT NULL UNIQUE)"
-    ))
+         CREATE TABLE {p}given (id VARCHAR(20) PRIMARY KEY, k VARCHAR(20) NOT NULL UNIQUE)",
+    )
     .await;
     let mut c = b.pool.acquire().await.unwrap();
     let auto = InsertOrGet::new(&format!("{p}auto"), "id", "k").unwrap();

@@ -41,6 +41,14 @@ pc::pattern_checks!(
     }
 );
 
+/// Starts a REPEATABLE READ transaction on `b`'s pool.
+async fn rr_begin(b: &Pg) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    b.pool
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .expect("begin")
+}
+
 /// Starts a REPEATABLE READ transaction and reads row `id` (taking the
 /// snapshot); returns it with the state it saw.
 async fn rr_reader(
@@ -48,15 +56,9 @@ async fn rr_reader(
     t: &str,
     id: i64,
 ) -> (sqlx::Transaction<'static, sqlx::Postgres>, String) {
-    let mut tx = b
-        .pool
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        .await
-        .expect("begin");
-    let seen: String = sqlx::query_scalar(&format!("SELECT state FROM {t} WHERE id = {id}"))
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let mut tx = rr_begin(b).await;
+    let seen: String =
+        pc::scalar_in(&mut *tx, &format!("SELECT state FROM {t} WHERE id = {id}")).await;
     (tx, seen)
 }
 
@@ -66,8 +68,7 @@ async fn rr_reader(
 #[tokio::test]
 async fn repeatable_read_stale_snapshot_in_from() {
     let b = pg().await;
-    let t = pc::state_table(&b, 1).await;
-    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let (t, sm) = pc::state_machine(&b, 1).await;
     let (mut tx, seen) = rr_reader(&b, &t, 0).await;
     assert_eq!(seen, "pending");
     pc::complete_elsewhere(&b, &sm, 0).await;
@@ -107,13 +108,10 @@ async fn repeatable_read_stale_snapshot_outside_from() {
 #[tokio::test]
 async fn read_committed_transaction_sees_latest() {
     let b = pg().await;
-    let t = pc::state_table(&b, 1).await;
-    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let (t, sm) = pc::state_machine(&b, 1).await;
     let mut tx = b.pool.begin().await.unwrap();
-    let seen: String = sqlx::query_scalar(&format!("SELECT state FROM {t} WHERE id = 0"))
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let seen: String =
+        pc::scalar_in(&mut *tx, &format!("SELECT state FROM {t} WHERE id = 0")).await;
     assert_eq!(seen, "pending");
     b.exec(&format!("UPDATE {t} SET state = 'completed' WHERE id = 0"))
         .await;
@@ -128,28 +126,14 @@ async fn read_committed_transaction_sees_latest() {
 #[tokio::test]
 async fn insert_or_get_repeatable_read_invisible_row() {
     let b = pg().await;
-    let t = pc::keyed_table(&b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
-    let mut tx = b
-        .pool
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        .await
-        .unwrap();
-    let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let (t, iog) = pc::keyed_insert_or_get(&b).await;
+    let mut tx = rr_begin(&b).await;
+    let n: i64 = pc::scalar_in(&mut *tx, &format!("SELECT COUNT(*) FROM {t}")).await;
     assert_eq!(n, 0);
-    let mut other = b.pool.acquire().await.unwrap();
-    let first = iog.insert_or_get(&mut *other, "k", &[]).await.unwrap();
-    assert!(first.inserted);
+    let first = pc::insert_elsewhere(&b, &iog, "k").await;
     pc::expect_serialization_failure(iog.insert_or_get(&mut *tx, "k", &[]).await);
     tx.rollback().await.unwrap();
-    let mut tx = b
-        .pool
-        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        .await
-        .unwrap();
+    let mut tx = rr_begin(&b).await;
     let again = iog.insert_or_get(&mut *tx, "k", &[]).await.unwrap();
     assert_eq!((again.id, again.inserted), (first.id, false));
     tx.commit().await.unwrap();
@@ -161,17 +145,11 @@ async fn insert_or_get_repeatable_read_invisible_row() {
 #[tokio::test]
 async fn insert_or_get_leaves_transaction_usable() {
     let b = pg().await;
-    let t = pc::keyed_table(&b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
+    let (t, iog) = pc::keyed_insert_or_get(&b).await;
     let mut c = b.pool.acquire().await.unwrap();
     let first = iog.insert_or_get(&mut *c, "k", &[]).await.unwrap();
-    let mut tx = c.begin().await.unwrap();
-    let again = iog.insert_or_get(&mut *tx, "k", &[]).await.unwrap();
-    assert_eq!((&again.id, again.inserted), (&first.id, false));
-    let more = iog.insert_or_get(&mut *tx, "k2", &[]).await.unwrap();
-    assert!(more.inserted);
-    tx.commit().await.unwrap();
-    assert_eq!(b.int(&format!("SELECT COUNT(*) FROM {t}")).await, 2);
+    let tx = c.begin().await.unwrap();
+    pc::duplicate_then_go_on(&b, &t, &iog, tx, &first).await;
     done(b).await;
 }
 

@@ -46,14 +46,11 @@ fn bad_identifiers() {
 #[tokio::test]
 async fn stale_read_snapshot_is_a_serialization_failure() {
     let b = sqlite().await;
-    let t = pc::state_table(&b, 1).await;
-    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let (t, sm) = pc::state_machine(&b, 1).await;
     let mut reader = b.pool.acquire().await.unwrap();
     let mut tx = reader.begin().await.unwrap();
-    let seen: String = sqlx::query_scalar(&format!("SELECT state FROM {t} WHERE id = 0"))
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let seen: String =
+        pc::scalar_in(&mut *tx, &format!("SELECT state FROM {t} WHERE id = 0")).await;
     assert_eq!(seen, "pending");
     pc::complete_elsewhere(&b, &sm, 0).await;
     pc::expect_serialization_failure(sm.transition(&mut *tx, 0, &["pending"], "cancelled").await);
@@ -100,8 +97,7 @@ async fn text_ids_and_schema_prefix() {
 #[tokio::test]
 async fn busy_writer_is_a_typed_retryable_error() {
     let b = sqlite().await;
-    let t = pc::keyed_table(&b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").unwrap();
+    let (t, iog) = pc::keyed_insert_or_get(&b).await;
     let mut holder = b.pool.acquire().await.unwrap();
     let tx = holder.begin_with("BEGIN IMMEDIATE").await.unwrap();
     let mut impatient = sqlx::SqliteConnection::connect_with(

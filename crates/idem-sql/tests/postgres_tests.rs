@@ -15,7 +15,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::servers::{pg_url as url, Server, START_PG as START};
+use common::servers::Server;
 use common::{ServerHarness, MIN};
 use idem_core::{Store, StoreError};
 use idem_sql::{PostgresOptions, PostgresStore};
@@ -25,9 +25,8 @@ use idem_testkit::support::{acquire, fp, fresh_key, fresh_scope, req, response};
 type PgHarness = ServerHarness<PostgresStore>;
 
 common::server_backend!(
-    PostgresStore, PostgresOptions, sqlx::Postgres, "PostgreSQL", url, START,
-    port: 5432, by_key: "scope = $1 AND key = $2", with_schema,
-    Server::Postgres,
+    PostgresStore, PostgresOptions, sqlx::Postgres, Server::Postgres,
+    by_key: "scope = $1 AND key = $2", with_schema,
     drop: "SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS \"{0}\" CASCADE"
 );
 

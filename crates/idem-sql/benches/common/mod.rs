@@ -1,5 +1,5 @@
 //! The run every store's benchmark shares: open the store, measure
-//! [`begin_complete_and_replay`], clean up.
+//! [`begin_complete_and_replay`], clean up; and the servers the tests use.
 
 use std::future::Future;
 use std::time::Duration;
@@ -7,6 +7,10 @@ use std::time::Duration;
 use criterion::Criterion;
 use idem_core::{Store, StoreError};
 use idem_testkit::bench::begin_complete_and_replay;
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[path = "../../tests/servers/mod.rs"]
+pub(crate) mod servers;
 
 /// Opens a store with `open` (failing with `what` when it cannot), runs the
 /// benchmark group `group` on it (results kept for an hour), then hands the
@@ -27,17 +31,23 @@ where
     rt.block_on(done(store));
 }
 
-/// Writes `main` for the benchmark of a store on a server: `$open` (with
-/// `$url` the server's URL and `$name` a fresh schema or table name)
-/// connects, `$drop` (`{0}` the name) drops what the store made.
+/// Writes `main` for the benchmark `$group` of a store on `$server` (a
+/// [`servers::Server`]): `$open` (with `$url` the server's URL and `$name` a
+/// fresh schema or table name) connects, `$drop` (`{0}` the name) drops what
+/// the store made.
 #[allow(unused_macros)]
 macro_rules! server_bench {
-    ($group:literal, $what:literal, $server_url:path, $start:path,
-     |$url:ident, $name:ident| $open:expr, drop: $drop:literal) => {
+    ($group:literal, $server:expr, |$url:ident, $name:ident| $open:expr, drop: $drop:literal) => {
         fn bench(c: &mut criterion::Criterion) {
-            let $url = $server_url();
+            let server = $server;
+            let $url = server.url();
             let $name = format!("idem_bench_{}", std::process::id());
-            let what = format!("{} at {} (start it with: {})", $what, $url, $start);
+            let what = format!(
+                "{} at {} (start it with: {})",
+                server.what(),
+                $url,
+                server.start()
+            );
             let drop = format!($drop, $name);
             common::run(
                 c,
@@ -51,8 +61,12 @@ macro_rules! server_bench {
             );
         }
 
-        criterion::criterion_group!(benches, bench);
-        criterion::criterion_main!(benches);
+        // `criterion_group!` defines an undocumented `pub fn`.
+        #[allow(missing_docs)]
+        mod group {
+            criterion::criterion_group!(benches, super::bench);
+        }
+        criterion::criterion_main!(group::benches);
     };
 }
 #[allow(unused_imports)]

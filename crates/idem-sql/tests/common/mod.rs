@@ -67,19 +67,20 @@ pub trait ServerStore: Store + Clone + 'static {
 }
 
 /// Writes what a server's store test file needs: `impl ServerStore for
-/// $store` (over its own `pool()` and `table()`); `connect(opts)`, which
-/// fails the test (naming `$start`) when the server at `$url()` is down;
+/// $store` (over its own `pool()` and `table()`, on `$server`'s default
+/// port); `url()`, the server's; `connect(opts)`, which fails the test
+/// (naming the command that starts it) when the server is down;
 /// `options_at(url, name)` (a pool of 8, `$with(name)`) and
 /// `options(name)`; `harness_with(f)` and `harness()`, a [`ServerHarness`]
 /// on a fresh name whose `$drop` (`{0}` the name) runs when the check ends;
 /// and `name_of(h)`, that name.
 #[allow(unused_macros)]
 macro_rules! server_backend {
-    ($store:ident, $opts:ident, $db:ty, $what:literal, $url:path, $start:path,
-     port: $port:literal, by_key: $by_key:literal, $with:ident, $server:expr, drop: $drop:literal) => {
+    ($store:ident, $opts:ident, $db:ty, $server:expr,
+     by_key: $by_key:literal, $with:ident, drop: $drop:literal) => {
         impl $crate::common::ServerStore for $store {
             type Db = $db;
-            const DEFAULT_PORT: u16 = $port;
+            const DEFAULT_PORT: u16 = $server.port();
             const BY_KEY: &'static str = $by_key;
 
             fn pool(&self) -> &sqlx::Pool<$db> {
@@ -91,10 +92,16 @@ macro_rules! server_backend {
             }
         }
 
+        fn url() -> String {
+            $server.url()
+        }
+
         async fn connect(opts: $opts) -> $store {
             match $store::connect_with(opts).await {
                 Ok(s) => s,
-                Err(e) => $crate::common::connect_failed($what, &$url(), &e, $start),
+                Err(e) => {
+                    $crate::common::connect_failed($server.what(), &url(), &e, $server.start())
+                }
             }
         }
 
@@ -104,7 +111,7 @@ macro_rules! server_backend {
         }
 
         fn options(name: &str) -> $opts {
-            options_at(&$url(), name)
+            options_at(&url(), name)
         }
 
         /// The check's schema or table (`idem_t_<random>`).

@@ -193,6 +193,27 @@ pub fn table<B: Backend>(b: &B, what: &str) -> String {
     )
 }
 
+/// A [`state_table`] of `rows` rows and the state machine on its `id` and
+/// `state`.
+pub async fn state_machine<B: Backend>(b: &B, rows: i64) -> (String, StateMachine) {
+    let t = state_table(b, rows).await;
+    let sm = StateMachine::new(&t, "id", "state").expect("names");
+    (t, sm)
+}
+
+/// The one value `sql` reads on `conn` (in a transaction: as its snapshot
+/// sees it; a read of the table takes the snapshot).
+pub async fn scalar_in<C, O>(conn: &mut C, sql: &str) -> O
+where
+    C: sqlx::Connection,
+    O: Send + Unpin,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    for<'r> (O,): sqlx::FromRow<'r, <C::Database as sqlx::Database>::Row>,
+    for<'q> <C::Database as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, C::Database>,
+{
+    sqlx::query_scalar(sql).fetch_one(conn).await.expect(sql)
+}
+
 /// `id BIGINT PK, state, note, version`, rows 0..n in `pending`.
 pub async fn state_table<B: Backend>(b: &B, rows: i64) -> String {
     let t = table(b, "sm");
@@ -221,8 +242,7 @@ pub async fn state_of<B: Backend>(b: &B, t: &str, id: i64) -> Option<String> {
 /// gets `Conflict(winner's state)`.
 pub async fn i2_race<B: Backend>(b: &B) {
     const ROUNDS: i64 = 20;
-    let t = state_table(b, ROUNDS).await;
-    let sm = StateMachine::new(&t, "id", "state").expect("names");
+    let (t, sm) = state_machine(b, ROUNDS).await;
     let mut wins = [0usize; 2];
     for id in 0..ROUNDS {
         // Two connections, taken before the start line.
@@ -269,8 +289,7 @@ pub async fn i2_race<B: Backend>(b: &B) {
 /// Sequential answers: Transitioned, AlreadyIn, Conflict, NotFound; a
 /// transition from several states; argument checks; rollback.
 pub async fn transition_answers<B: Backend>(b: &B) {
-    let t = state_table(b, 3).await;
-    let sm = StateMachine::new(&t, "id", "state").expect("names");
+    let (t, sm) = state_machine(b, 3).await;
     let mut c = b.pool().acquire().await.expect("conn");
     let c = &mut *c;
     assert_eq!(
@@ -431,6 +450,31 @@ pub async fn versioned<B: Backend>(b: &B) {
     }
 }
 
+/// In `tx`, after `first` was inserted for `"k"` elsewhere: `"k"` again
+/// is found (`first`'s id, not inserted) and the transaction goes on (it
+/// inserts `"k2"`) and commits; `t` then holds both rows.
+pub async fn duplicate_then_go_on<B: Backend>(
+    b: &B,
+    t: &str,
+    iog: &InsertOrGet,
+    mut tx: sqlx::Transaction<'_, B::Db>,
+    first: &Created,
+) {
+    let again = iog.insert_or_get(&mut *tx, "k", &[]).await.unwrap();
+    assert_eq!((&again.id, again.inserted), (&first.id, false));
+    let more = iog.insert_or_get(&mut *tx, "k2", &[]).await.unwrap();
+    assert!(more.inserted);
+    tx.commit().await.unwrap();
+    assert_eq!(b.int(&format!("SELECT COUNT(*) FROM {t}")).await, 2);
+}
+
+/// A [`keyed_table`] and the insert-or-get on its `id` and `biz_key`.
+pub async fn keyed_insert_or_get<B: Backend>(b: &B) -> (String, InsertOrGet) {
+    let t = keyed_table(b).await;
+    let iog = InsertOrGet::new(&t, "id", "biz_key").expect("names");
+    (t, iog)
+}
+
 /// `id` auto, `biz_key` unique, `note`, `other` unique.
 pub async fn keyed_table<B: Backend>(b: &B) -> String {
     let t = table(b, "iog");
@@ -447,8 +491,7 @@ pub async fn keyed_table<B: Backend>(b: &B) -> String {
 /// Insert-or-get, sequential: insert, get, values round-trip, another
 /// unique key's violation is an error, bad arguments.
 pub async fn insert_or_get_basics<B: Backend>(b: &B) {
-    let t = keyed_table(b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").expect("names");
+    let (t, iog) = keyed_insert_or_get(b).await;
     let mut c = b.pool().acquire().await.expect("conn");
     let c = &mut *c;
     let tricky = "O'Brien \"q\" `b` ; -- \\ ünïcødé 😀 '); DROP TABLE x; --";
@@ -513,8 +556,7 @@ where
     Fut: std::future::Future<Output = Option<sqlx::Transaction<'static, B::Db>>>,
 {
     const N: usize = 16;
-    let t = keyed_table(b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").expect("names");
+    let (t, iog) = keyed_insert_or_get(b).await;
     for round in 0..5 {
         let key = format!("order-{round}-{}", idem_testkit::support::random_hex(6));
         let barrier = Arc::new(Barrier::new(N));
@@ -546,6 +588,15 @@ where
         }
         one_row_one_id(b, &t, &key, round, tasks).await;
     }
+}
+
+/// Another connection inserts `key` (while a check's transaction holds an
+/// older snapshot): a new row.
+pub async fn insert_elsewhere<B: Backend>(b: &B, iog: &InsertOrGet, key: &str) -> Created {
+    let mut other = b.pool().acquire().await.expect("conn");
+    let first = iog.insert_or_get(&mut *other, key, &[]).await.unwrap();
+    assert!(first.inserted);
+    first
 }
 
 /// Another connection moves row `id` from `pending` to `completed` (while a
@@ -672,8 +723,7 @@ pub fn bad_identifiers() {
 
 /// Bad column names in `set` / `values` are refused at call time.
 pub async fn bad_set_columns<B: Backend>(b: &B) {
-    let t = state_table(b, 1).await;
-    let sm = StateMachine::new(&t, "id", "state").unwrap();
+    let (t, sm) = state_machine(b, 1).await;
     let v = Versioned::new(&t, "id", "version").unwrap();
     let iog = InsertOrGet::new(&t, "id", "note").unwrap();
     let mut c = b.pool().acquire().await.expect("conn");
@@ -702,8 +752,7 @@ pub async fn bad_set_columns<B: Backend>(b: &B) {
 /// one row, one id, no error.
 pub async fn insert_or_get_after_rollback<B: Backend>(b: &B) {
     const N: usize = 6;
-    let t = keyed_table(b).await;
-    let iog = InsertOrGet::new(&t, "id", "biz_key").expect("names");
+    let (t, iog) = keyed_insert_or_get(b).await;
     for round in 0..3 {
         let key = format!("rb-{round}");
         let mut holder = b.pool().begin().await.expect("begin");

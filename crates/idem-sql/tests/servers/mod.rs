@@ -1,5 +1,5 @@
-//! The real database servers the SQL tests run against, in one place: their
-//! URLs (`IDEM_TEST_POSTGRES_URL`, default
+//! The real database servers the SQL tests run against, in one place
+//! ([`Server`]): their URLs (`IDEM_TEST_POSTGRES_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`; `IDEM_TEST_MYSQL_URL`, default
 //! `mysql://root@127.0.0.1:3306/test`), the commands that start them, pools
 //! that fail the test (never skip it) when a server is down, SQLite files
@@ -15,18 +15,6 @@ pub const START_PG: &str =
 /// Starts the MariaDB server of this machine.
 pub const START_MY: &str =
     "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd";
-
-/// The PostgreSQL server's URL.
-pub fn pg_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
-/// The MySQL / MariaDB server's URL.
-pub fn my_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
-}
 
 /// Fails the test (never skips it) when the server cannot be reached, with
 /// the command that starts it; otherwise with the error.
@@ -48,41 +36,30 @@ pub fn pool_options<DB: sqlx::Database>(max: u32) -> sqlx::pool::PoolOptions<DB>
         .acquire_timeout(Duration::from_secs(10))
 }
 
-/// A pool with `opts` on the server `what` at `url`, or the test fails
-/// naming `start`.
-async fn pool_at<DB: sqlx::Database>(
-    opts: sqlx::pool::PoolOptions<DB>,
-    what: &str,
-    url: &str,
-    start: &str,
-) -> sqlx::Pool<DB> {
-    opts.connect(url)
+/// A pool with `opts` on the server of `DB`, or the test fails naming the
+/// command that starts it.
+pub async fn pool_with<DB: OnServer>(opts: sqlx::pool::PoolOptions<DB>) -> sqlx::Pool<DB> {
+    let (server, url) = (DB::SERVER, DB::SERVER.url());
+    opts.connect(&url)
         .await
-        .unwrap_or_else(|e| connect_failed(what, url, &e, start))
+        .unwrap_or_else(|e| connect_failed(server.what(), &url, &e, server.start()))
 }
 
-/// A pool on the PostgreSQL server, with `opts`.
-#[cfg(feature = "postgres")]
-pub async fn pg_pool_with(opts: sqlx::postgres::PgPoolOptions) -> sqlx::PgPool {
-    pool_at(opts, "PostgreSQL", &pg_url(), START_PG).await
+/// A pool of `max` connections on the server of `DB`.
+pub async fn pool<DB: OnServer>(max: u32) -> sqlx::Pool<DB> {
+    pool_with(pool_options(max)).await
 }
 
 /// A pool of `max` connections on the PostgreSQL server.
 #[cfg(feature = "postgres")]
 pub async fn pg_pool(max: u32) -> sqlx::PgPool {
-    pg_pool_with(pool_options(max)).await
-}
-
-/// A pool on the MySQL / MariaDB server, with `opts`.
-#[cfg(feature = "mysql")]
-pub async fn my_pool_with(opts: sqlx::mysql::MySqlPoolOptions) -> sqlx::MySqlPool {
-    pool_at(opts, "MySQL/MariaDB", &my_url(), START_MY).await
+    pool(max).await
 }
 
 /// A pool of `max` connections on the MySQL / MariaDB server.
 #[cfg(feature = "mysql")]
 pub async fn my_pool(max: u32) -> sqlx::MySqlPool {
-    my_pool_with(pool_options(max)).await
+    pool(max).await
 }
 
 /// A pool of `max` connections on the SQLite file `path` (created), in WAL
@@ -105,15 +82,84 @@ pub async fn sqlite_file_pool(
         .expect("open SQLite")
 }
 
-/// Which server a [`Cleanup`] talks to.
+/// A database server the tests run against (and a [`Cleanup`] talks to),
+/// with what is known of it: its name, URL, default port and the command
+/// that starts it.
 #[derive(Clone, Copy, Debug)]
 pub enum Server {
-    /// PostgreSQL, at [`pg_url`].
+    /// PostgreSQL, at `IDEM_TEST_POSTGRES_URL`.
     #[cfg(feature = "postgres")]
     Postgres,
-    /// MySQL / MariaDB, at [`my_url`].
+    /// MySQL / MariaDB, at `IDEM_TEST_MYSQL_URL`.
     #[cfg(feature = "mysql")]
     MySql,
+}
+
+impl Server {
+    /// Its name in messages.
+    pub const fn what(self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres => "PostgreSQL",
+            #[cfg(feature = "mysql")]
+            Self::MySql => "MySQL/MariaDB",
+        }
+    }
+
+    /// The command that starts it on this machine.
+    pub const fn start(self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres => START_PG,
+            #[cfg(feature = "mysql")]
+            Self::MySql => START_MY,
+        }
+    }
+
+    /// Its port when a URL names none.
+    pub const fn port(self) -> u16 {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres => 5432,
+            #[cfg(feature = "mysql")]
+            Self::MySql => 3306,
+        }
+    }
+
+    /// Its URL: the variable's value, or the default.
+    // Without a server feature there is no variant, and nothing to reach.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql")),
+        allow(unreachable_code)
+    )]
+    pub fn url(self) -> String {
+        let (var, default): (&str, &str) = match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres => (
+                "IDEM_TEST_POSTGRES_URL",
+                "postgres://postgres@127.0.0.1:5432/test",
+            ),
+            #[cfg(feature = "mysql")]
+            Self::MySql => ("IDEM_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test"),
+        };
+        std::env::var(var).unwrap_or_else(|_| default.into())
+    }
+}
+
+/// An sqlx database the tests reach on a [`Server`].
+pub trait OnServer: sqlx::Database {
+    /// Its server.
+    const SERVER: Server;
+}
+
+#[cfg(feature = "postgres")]
+impl OnServer for sqlx::Postgres {
+    const SERVER: Server = Server::Postgres;
+}
+
+#[cfg(feature = "mysql")]
+impl OnServer for sqlx::MySql {
+    const SERVER: Server = Server::MySql;
 }
 
 /// Runs `sql` (one or more statements) on a fresh connection to `server`
@@ -157,14 +203,14 @@ impl Drop for Cleanup {
                 match server {
                     #[cfg(feature = "postgres")]
                     Server::Postgres => {
-                        if let Ok(mut c) = sqlx::PgConnection::connect(&pg_url()).await {
+                        if let Ok(mut c) = sqlx::PgConnection::connect(&server.url()).await {
                             let _ = sqlx::raw_sql(&sql).execute(&mut c).await;
                             let _ = c.close().await;
                         }
                     }
                     #[cfg(feature = "mysql")]
                     Server::MySql => {
-                        if let Ok(mut c) = sqlx::MySqlConnection::connect(&my_url()).await {
+                        if let Ok(mut c) = sqlx::MySqlConnection::connect(&server.url()).await {
                             let _ = sqlx::raw_sql(&sql).execute(&mut c).await;
                             let _ = c.close().await;
                         }
