@@ -2,10 +2,11 @@
 //! conformance suite: one key raced through two separate connections or
 //! pools, and corrupt records reported as `Corrupt`.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{Begin, BeginRequest, Lease, Phase, Store, StoreError};
+
+use crate::support::all_at_once;
 
 /// `n` concurrent `begin(r)`s, alternating between stores `a` and `b` (two
 /// separate pools or connections on one backend), released together by a
@@ -21,21 +22,16 @@ pub async fn race_begins<S: Store + Clone + 'static>(
     r: &BeginRequest,
     n: usize,
 ) -> Lease {
-    let barrier = Arc::new(tokio::sync::Barrier::new(n));
-    let tasks: Vec<_> = (0..n)
-        .map(|i| {
-            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
-            let (r, barrier) = (r.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.begin(&r).await
-            })
-        })
-        .collect();
+    let answers = all_at_once(n, |i| {
+        let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+        let r = r.clone();
+        async move { store.begin(&r).await }
+    })
+    .await;
     let mut acquired = Vec::new();
     let mut in_flight = 0;
-    for t in tasks {
-        match t.await.expect("task").expect("begin") {
+    for answer in answers {
+        match answer.expect("begin") {
             Begin::Acquired(l) => acquired.push(l),
             Begin::InFlight { retry_after } => {
                 assert!(

@@ -2,7 +2,6 @@
 //! protocol. Each takes a [`Harness`] and panics (fails the test) on a
 //! violation. [`crate::conformance_tests!`] turns each into a `#[tokio::test]`.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem_core::{
@@ -36,21 +35,14 @@ async fn race_begins<S: Store + Clone>(
     req: &idem_core::BeginRequest,
     n: usize,
 ) -> Vec<Begin> {
-    let barrier = Arc::new(tokio::sync::Barrier::new(n));
-    let tasks: Vec<_> = (0..n)
-        .map(|_| {
-            let store = store.clone();
-            let req = req.clone();
-            let barrier = barrier.clone();
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.begin(&req).await
-            })
-        })
-        .collect();
+    let answers = all_at_once(n, |_| {
+        let (store, req) = (store.clone(), req.clone());
+        async move { store.begin(&req).await }
+    })
+    .await;
     let mut out = Vec::with_capacity(n);
-    for t in tasks {
-        match t.await.expect("begin task panicked") {
+    for answer in answers {
+        match answer {
             Ok(b) => out.push(b),
             Err(e) => panic!("a concurrent begin failed: {e} ({e:?})"),
         }

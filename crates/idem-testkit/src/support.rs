@@ -48,21 +48,22 @@ pub fn req(
     }
 }
 
-/// Runs `n` futures made by `task` at once: each is spawned, and all are
-/// released together by a barrier. Returns their outputs in spawn order.
+/// Runs `n` futures made by `task` (given their index, `0..n`) at once:
+/// each is spawned, and all are released together by a barrier. Returns
+/// their outputs in spawn order.
 ///
 /// # Panics
 /// When a task panicked.
 pub async fn all_at_once<F, Fut>(n: usize, task: F) -> Vec<Fut::Output>
 where
-    F: Fn() -> Fut,
+    F: Fn(usize) -> Fut,
     Fut: std::future::Future + Send + 'static,
     Fut::Output: Send + 'static,
 {
     let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
     let handles: Vec<_> = (0..n)
-        .map(|_| {
-            let (barrier, fut) = (barrier.clone(), task());
+        .map(|i| {
+            let (barrier, fut) = (barrier.clone(), task(i));
             tokio::spawn(async move {
                 barrier.wait().await;
                 fut.await
