@@ -2,11 +2,9 @@
 //! conformance suite: one key raced through two separate connections or
 //! pools, and corrupt records reported as `Corrupt`.
 
-use std::time::Duration;
+use idem_core::{BeginRequest, Lease, Phase, Store, StoreError};
 
-use idem_core::{Begin, BeginRequest, Lease, Phase, Store, StoreError};
-
-use crate::support::all_at_once;
+use crate::support::{all_at_once, one_winner};
 
 /// `n` concurrent `begin(r)`s, alternating between stores `a` and `b` (two
 /// separate pools or connections on one backend), released together by a
@@ -28,25 +26,8 @@ pub async fn race_begins<S: Store + Clone + 'static>(
         async move { store.begin(&r).await }
     })
     .await;
-    let mut acquired = Vec::new();
-    let mut in_flight = 0;
-    for answer in answers {
-        match answer.expect("begin") {
-            Begin::Acquired(l) => acquired.push(l),
-            Begin::InFlight { retry_after } => {
-                assert!(
-                    retry_after > Duration::ZERO && retry_after <= r.lease,
-                    "retry_after {retry_after:?} within the lease {:?}",
-                    r.lease
-                );
-                in_flight += 1;
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    assert_eq!(acquired.len(), 1, "exactly one winner: {acquired:?}");
-    assert_eq!(in_flight, n - 1);
-    acquired.pop().expect("one")
+    let answers = answers.into_iter().map(|a| a.expect("begin")).collect();
+    one_winner(answers, r.lease)
 }
 
 /// The record of `r` is corrupt: `begin` reports `Corrupt` (phase `Begin`,

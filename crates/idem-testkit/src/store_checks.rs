@@ -50,30 +50,6 @@ async fn race_begins<S: Store + Clone>(
     out
 }
 
-/// Splits race answers into the one winner's lease and asserts every other
-/// answer is `InFlight` with a retry-after in `(0, lease]`.
-fn one_winner(answers: Vec<Begin>, lease: Duration) -> Lease {
-    let mut winners = Vec::new();
-    for a in answers {
-        match a {
-            Begin::Acquired(l) => winners.push(l),
-            Begin::InFlight { retry_after } => {
-                assert!(
-                    retry_after > Duration::ZERO && retry_after <= lease,
-                    "retry_after {retry_after:?} outside (0, {lease:?}]"
-                );
-            }
-            other => panic!("a concurrent begin answered {other:?}"),
-        }
-    }
-    assert_eq!(
-        winners.len(),
-        1,
-        "exactly one concurrent begin may acquire: {winners:?}"
-    );
-    winners.pop().expect("one winner")
-}
-
 /// Claim once: the first `begin` acquires, the second is `InFlight` with a
 /// retry-after in `(0, lease]`, and `get` shows the claim (CASES A2).
 pub async fn claim_once<H: Harness>(h: &H) {

@@ -77,6 +77,30 @@ where
     outputs
 }
 
+/// Splits race answers into the one winner's lease and asserts every other
+/// answer is `InFlight` with a retry-after in `(0, lease]`.
+pub(crate) fn one_winner(answers: Vec<Begin>, lease: Duration) -> Lease {
+    let mut winners = Vec::new();
+    for a in answers {
+        match a {
+            Begin::Acquired(l) => winners.push(l),
+            Begin::InFlight { retry_after } => {
+                assert!(
+                    retry_after > Duration::ZERO && retry_after <= lease,
+                    "retry_after {retry_after:?} outside (0, {lease:?}]"
+                );
+            }
+            other => panic!("a concurrent begin answered {other:?}"),
+        }
+    }
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one concurrent begin may acquire: {winners:?}"
+    );
+    winners.pop().expect("one winner")
+}
+
 /// A fresh scope and a fresh key starting with `label`, and the `begin`
 /// request for them with fingerprint `fp("a")` and `lease`.
 pub fn fresh_req(label: &str, lease: Duration) -> (Scope, IdempotencyKey, BeginRequest) {
