@@ -256,6 +256,35 @@ async fn wait_mode_replays_across_instances(store: &str) {
     }
 }
 
+/// The two multi-instance tests on one backend: `$store(label)` gives the
+/// gateway's store URL, the server's URL, the name of the test's own
+/// schema / table / prefix and its cleanup (run when the test ends);
+/// `$count(server, name)` counts the records there.
+macro_rules! backend_tests {
+    ($once:ident, $wait:ident: $store:ident($label:literal, $wait_label:literal),
+     $count:ident, $kind:literal) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $once() {
+            let (store, base, name, drop_it) = $store($label);
+            let _cleanup = OnDrop(drop_it);
+            let count = || $count(&base, &name);
+            each_key_runs_once_across_instances(&store, $kind, Some(&count)).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $wait() {
+            let (store, _, _, drop_it) = $store($wait_label);
+            let _cleanup = OnDrop(drop_it);
+            wait_mode_replays_across_instances(&store).await;
+        }
+    };
+}
+
+/// What `program args` prints, as a count.
+fn count_of(program: &str, args: &[&str]) -> usize {
+    stdout_of(program, args).parse().unwrap()
+}
+
 fn tail(s: &str, lines: usize) -> String {
     let v: Vec<&str> = s.lines().collect();
     v[v.len().saturating_sub(lines)..].join("\n")
@@ -265,16 +294,8 @@ fn tail(s: &str, lines: usize) -> String {
 
 /// Counts the rows of `"schema"."records"`.
 fn postgres_rows(base: &str, schema: &str) -> usize {
-    stdout_of(
-        "psql",
-        &[
-            base,
-            "-Atc",
-            &format!("SELECT count(*) FROM \"{schema}\".\"records\""),
-        ],
-    )
-    .parse()
-    .unwrap()
+    let count = format!("SELECT count(*) FROM \"{schema}\".\"records\"");
+    count_of("psql", &[base, "-Atc", &count])
 }
 
 fn postgres_store(label: &str) -> (String, String, String, impl FnMut()) {
@@ -303,20 +324,11 @@ fn postgres_store(label: &str) -> (String, String, String, impl FnMut()) {
     (url, b, sc, drop_it)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_three_instances_run_each_key_once() {
-    let (store, base, schema, drop_schema) = postgres_store("mi_pg");
-    let _cleanup = OnDrop(drop_schema);
-    let rows = || postgres_rows(&base, &schema);
-    each_key_runs_once_across_instances(&store, "postgres", Some(&rows)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_wait_mode_replays_across_instances() {
-    let (store, _, _, drop_schema) = postgres_store("mi_pgw");
-    let _cleanup = OnDrop(drop_schema);
-    wait_mode_replays_across_instances(&store).await;
-}
+backend_tests!(
+    postgres_three_instances_run_each_key_once,
+    postgres_wait_mode_replays_across_instances:
+    postgres_store("mi_pg", "mi_pgw"), postgres_rows, "postgres"
+);
 
 // ---------------------------------------------------------------- MariaDB
 
@@ -353,7 +365,7 @@ fn mysql_rows(base: &str, table: &str) -> usize {
         format!("SELECT COUNT(*) FROM `{table}`"),
     ]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    stdout_of("mariadb", &args).parse().unwrap()
+    count_of("mariadb", &args)
 }
 
 fn mysql_store(label: &str) -> (String, String, String, impl FnMut()) {
@@ -371,42 +383,24 @@ fn mysql_store(label: &str) -> (String, String, String, impl FnMut()) {
     (url, b, t, drop_it)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mariadb_three_instances_run_each_key_once() {
-    let (store, base, table, drop_table) = mysql_store("mi_my");
-    let _cleanup = OnDrop(drop_table);
-    let rows = || mysql_rows(&base, &table);
-    each_key_runs_once_across_instances(&store, "mysql", Some(&rows)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mariadb_wait_mode_replays_across_instances() {
-    let (store, _, _, drop_table) = mysql_store("mi_myw");
-    let _cleanup = OnDrop(drop_table);
-    // MySQL has no notifications: waiters poll (every 25 ms).
-    wait_mode_replays_across_instances(&store).await;
-}
+// MySQL has no notifications: in the wait-mode test, waiters poll (every 25 ms).
+backend_tests!(
+    mariadb_three_instances_run_each_key_once,
+    mariadb_wait_mode_replays_across_instances:
+    mysql_store("mi_my", "mi_myw"), mysql_rows, "mysql"
+);
 
 // ------------------------------------------------------------------ Redis
 
 /// Counts the record hashes under `prefix`.
 fn redis_records(base: &str, prefix: &str) -> usize {
     let (host, port) = redis_host_port(base);
-    stdout_of(
+    let pattern = format!("{{{prefix}:*}}:r");
+    let count = "return #redis.call('KEYS', ARGV[1])";
+    count_of(
         "redis-cli",
-        &[
-            "-h",
-            &host,
-            "-p",
-            &port,
-            "EVAL",
-            "return #redis.call('KEYS', ARGV[1])",
-            "0",
-            &format!("{{{prefix}:*}}:r"),
-        ],
+        &["-h", &host, "-p", &port, "EVAL", count, "0", &pattern],
     )
-    .parse()
-    .unwrap()
 }
 
 fn redis_store(label: &str) -> (String, String, String, impl FnMut()) {
@@ -418,20 +412,11 @@ fn redis_store(label: &str) -> (String, String, String, impl FnMut()) {
     (url, b, p, drop_it)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_three_instances_run_each_key_once() {
-    let (store, base, prefix, drop_keys) = redis_store("mi_rd");
-    let _cleanup = OnDrop(drop_keys);
-    let records = || redis_records(&base, &prefix);
-    each_key_runs_once_across_instances(&store, "redis", Some(&records)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_wait_mode_replays_across_instances() {
-    let (store, _, _, drop_keys) = redis_store("mi_rdw");
-    let _cleanup = OnDrop(drop_keys);
-    wait_mode_replays_across_instances(&store).await;
-}
+backend_tests!(
+    redis_three_instances_run_each_key_once,
+    redis_wait_mode_replays_across_instances:
+    redis_store("mi_rd", "mi_rdw"), redis_records, "redis"
+);
 
 // ---------------------------------------------------------- Redis Cluster
 

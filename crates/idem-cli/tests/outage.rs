@@ -136,11 +136,27 @@ async fn wait_recovered(gw: &GatewayProc, run: &str, bound: Duration) -> Duratio
 
 /// A store server this test owns and may kill.
 trait OwnServer {
+    /// Starts one on `port` with its files in `dir`.
+    fn start(dir: &Path, port: u16) -> Self
+    where
+        Self: Sized;
     fn kill(&mut self);
     fn restart(&mut self);
 }
 
+/// A temporary folder, a free port, and an `S` started on that port with
+/// its files in that folder.
+fn own_server<S: OwnServer>() -> (tempfile::TempDir, u16, S) {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = S::start(dir.path(), port);
+    (dir, port, server)
+}
+
 impl OwnServer for RedisProc {
+    fn start(dir: &Path, port: u16) -> Self {
+        RedisProc::start(dir, port)
+    }
     fn kill(&mut self) {
         RedisProc::kill(self);
     }
@@ -258,9 +274,7 @@ async fn outage_scenario(server: &mut dyn OwnServer, store: &str, kind: &str, di
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_outage_is_503_without_upstream_calls_and_recovers_without_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let mut redis = RedisProc::start(dir.path(), port);
+    let (dir, port, mut redis) = own_server::<RedisProc>();
     let store = format!("redis://127.0.0.1:{port}/?idem_prefix=outage");
     outage_scenario(&mut redis, &store, "redis", dir.path()).await;
 }
@@ -331,6 +345,9 @@ impl PgProc {
 }
 
 impl OwnServer for PgProc {
+    fn start(dir: &Path, port: u16) -> Self {
+        PgProc::start(dir, port)
+    }
     fn kill(&mut self) {
         if self.running {
             let data = self.data.display().to_string();
@@ -385,9 +402,7 @@ impl Drop for PgProc {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_outage_is_503_without_upstream_calls_and_recovers_without_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let mut pg = PgProc::start(dir.path(), port);
+    let (_dir, port, mut pg) = own_server::<PgProc>();
     let store = format!("postgres://postgres@127.0.0.1:{port}/postgres?idem_schema=outage");
     // Gateway logs go to a directory of their own (the cluster's belongs to postgres).
     let logs = tempfile::tempdir().unwrap();
@@ -396,9 +411,7 @@ async fn postgres_outage_is_503_without_upstream_calls_and_recovers_without_a_re
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_outage_with_fail_open_forwards_unprotected() {
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let mut redis = RedisProc::start(dir.path(), port);
+    let (dir, port, mut redis) = own_server::<RedisProc>();
     let up = Upstream::start().await;
     let store = format!("redis://127.0.0.1:{port}/");
     // --fail-open and the timeout by their variables.
@@ -444,6 +457,30 @@ async fn redis_outage_with_fail_open_forwards_unprotected() {
     assert!(pay(&c, &gw.url("/pay?ms=10"), &k).await.unwrap().replayed);
 }
 
+/// Runs `idem gateway --upstream <nothing> --store <store> <extra>` (with
+/// `env` set on the command) to its exit: its exit code and stderr.
+fn gateway_exit(
+    store: &str,
+    extra: &[&str],
+    env: impl FnOnce(&mut std::process::Command),
+) -> (Option<i32>, String) {
+    let mut cmd = idem();
+    cmd.args([
+        "gateway",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--store",
+        store,
+    ])
+    .args(extra);
+    env(&mut cmd);
+    let out = cmd.output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 #[test]
 fn an_unreachable_store_at_startup_stops_the_gateway_with_a_clear_message() {
     let port = free_port();
@@ -459,22 +496,11 @@ fn an_unreachable_store_at_startup_stops_the_gateway_with_a_clear_message() {
         ),
     ] {
         let started = Instant::now();
-        let out = idem()
-            .args([
-                "gateway",
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                "http://127.0.0.1:9",
-                "--store",
-                &store,
-            ])
-            .env("IDEM_STORE_TIMEOUT", "2s")
-            .output()
-            .unwrap();
+        let (code, stderr) = gateway_exit(&store, &["--listen", "127.0.0.1:0"], |cmd| {
+            cmd.env("IDEM_STORE_TIMEOUT", "2s");
+        });
         let took = started.elapsed();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{store}: {stderr}");
+        assert_eq!(code, Some(1), "{store}: {stderr}");
         assert!(
             stderr.contains(&format!("cannot open the {kind} store")),
             "{store}: {stderr}"
@@ -493,38 +519,16 @@ fn an_unreachable_store_at_startup_stops_the_gateway_with_a_clear_message() {
         ("postgres://h/db?idem_table=no-dash", "idem_table"),
         ("redis://h?idem_schema=x", "idem_prefix"),
     ] {
-        let out = idem()
-            .args([
-                "gateway",
-                "--upstream",
-                "http://127.0.0.1:9",
-                "--store",
-                store,
-            ])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{store}: {stderr}");
+        let (code, stderr) = gateway_exit(store, &[], |_| {});
+        assert_eq!(code, Some(2), "{store}: {stderr}");
         assert!(
             stderr.contains("--store") && stderr.contains(needle),
             "{store}: {stderr}"
         );
     }
     for (flag, value) in [("--store-pool-size", "0"), ("--store-timeout", "0")] {
-        let out = idem()
-            .args([
-                "gateway",
-                "--upstream",
-                "http://127.0.0.1:9",
-                "--store",
-                "memory://",
-                flag,
-                value,
-            ])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{flag}: {stderr}");
+        let (code, stderr) = gateway_exit("memory://", &[flag, value], |_| {});
+        assert_eq!(code, Some(2), "{flag}: {stderr}");
         assert!(stderr.contains(flag), "{stderr}");
     }
 }

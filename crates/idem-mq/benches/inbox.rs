@@ -19,8 +19,7 @@
 use std::time::Instant;
 
 use async_trait::async_trait;
-use idem_mq::{BoxError, Message, MessageKey, Outcome, Processor, SqlInbox, TxHandler};
-use sqlx::Transaction;
+use idem_mq::{Message, MessageKey, Outcome, Processor, SqlInbox, TxHandler};
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -29,33 +28,16 @@ struct Credit {
     table: String,
 }
 
-/// `impl TxHandler<$db> for Credit`: `$insert` credits the message's id.
-macro_rules! credit {
-    ($db:ty, $insert:literal) => {
-        #[async_trait]
-        impl TxHandler<$db> for Credit {
-            async fn handle(
-                &self,
-                tx: &mut Transaction<'static, $db>,
-                msg: &Message,
-            ) -> Result<(), BoxError> {
-                sqlx::query(&format!($insert, self.table))
-                    .bind(msg.key.as_ref().map(|k| k.raw_id().to_owned()))
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(())
-            }
-        }
-    };
-}
-
-credit!(
-    sqlx::Sqlite,
-    "INSERT INTO {} (payment_id, cents) VALUES (?1, 500)"
-);
-credit!(
-    sqlx::Postgres,
-    "INSERT INTO {} (payment_id, cents) VALUES ($1, 500)"
+// `TxHandler` for each database: the insert credits the message's id.
+idem_mq::tx_handler!(Credit, |this, tx, msg, insert| {
+    sqlx::query(&insert(&this.table))
+        .bind(msg.key.as_ref().map(|k| k.raw_id().to_owned()))
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+},
+    sqlx::Sqlite => |t: &str| format!("INSERT INTO {t} (payment_id, cents) VALUES (?1, 500)"),
+    sqlx::Postgres => |t: &str| format!("INSERT INTO {t} (payment_id, cents) VALUES ($1, 500)"),
 );
 
 /// The same handler in a plain transaction: no dedup.

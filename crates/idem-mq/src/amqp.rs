@@ -31,8 +31,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::Channel;
 
 use crate::{
-    Disposition, IdError, IdSource, Incoming, Message, MessageKey, MissingIdPolicy, Outcome,
-    Processor, Report,
+    run_delivery, Disposition, IdError, IdSource, Incoming, Message, MissingIdPolicy, Processor,
+    Report,
 };
 
 /// Settings of an [`AmqpConsumer`].
@@ -152,49 +152,31 @@ impl<P: Processor> AmqpConsumer<P> {
     /// Processes one delivery and settles it (ack now; nack after the
     /// retry delay in a background task; reject).
     pub async fn handle(&self, delivery: Delivery) -> Report {
-        let mut report = Report {
-            received: 1,
-            ..Report::default()
-        };
-        let disposition = match message_of(&delivery, &self.queue, &self.options) {
-            Ok(m) => {
-                let outcome = self.processor.process(&m).await;
-                if let Outcome::Failed(e) = &outcome {
-                    tracing::warn!(error = %e, "idem-mq: handler failed; the message will be requeued");
-                }
-                report.count(&outcome);
-                outcome.disposition(self.options.retry_delay)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "idem-mq: message without id rejected");
-                report.rejected += 1;
-                Disposition::Reject
-            }
-        };
+        let message = message_of(&delivery, &self.queue, &self.options);
         let acker = delivery.acker;
-        let settled = match disposition {
-            Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
-            Disposition::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
-            Disposition::Retry { delay } => {
-                tokio::spawn(async move {
-                    tokio::time::sleep(delay).await;
-                    let nack = BasicNackOptions {
-                        multiple: false,
-                        requeue: true,
-                    };
-                    if let Err(e) = acker.nack(nack).await {
-                        // The channel is gone: the broker requeues it anyway.
-                        tracing::warn!(error = %e, "idem-mq: nack failed");
-                    }
-                });
-                Ok(())
+        let settle = |disposition| async move {
+            match disposition {
+                Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
+                Disposition::Reject => acker.reject(BasicRejectOptions { requeue: false }).await,
+                Disposition::Retry { delay } => {
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        let nack = BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        };
+                        if let Err(e) = acker.nack(nack).await {
+                            // The channel is gone: the broker requeues it anyway.
+                            tracing::warn!(error = %e, "idem-mq: nack failed");
+                        }
+                    });
+                    Ok(())
+                }
             }
         };
-        if let Err(e) = settled {
-            tracing::warn!(error = %e, "idem-mq: ack failed; the message will be redelivered");
-            report.ack_errors += 1;
-        }
-        report
+        let notes = ("requeued", "rejected");
+        let delay = self.options.retry_delay;
+        run_delivery(&self.processor, message, delay, notes, settle).await
     }
 }
 
@@ -244,13 +226,12 @@ pub fn message_of(
         payload: &delivery.data,
         stream: queue,
     };
-    let key = match options.id_source.extract(&incoming) {
-        Some(id) => Some(MessageKey::new(options.consumer_name.clone(), id)?.with_stream(queue)),
-        None => match options.missing_id {
-            MissingIdPolicy::ProcessWithoutDedup => None,
-            _ => return Err(IdError::Missing("no message_id property / extracted id")),
-        },
-    };
+    let key = options.id_source.key_of(
+        &incoming,
+        options.consumer_name.clone(),
+        options.missing_id,
+        "no message_id property / extracted id",
+    )?;
     Ok(Message {
         key,
         payload: delivery.data.clone(),

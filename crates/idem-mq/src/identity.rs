@@ -201,6 +201,26 @@ impl IdSource {
         };
         id.filter(|s| !s.is_empty())
     }
+
+    /// The key of `msg` for `consumer`, scoped by its stream; without an
+    /// id, what `missing` says: `None` (process without dedup) or
+    /// [`IdError::Missing`]`(what)`.
+    #[cfg(any(feature = "amqp", feature = "nats"))]
+    pub(crate) fn key_of(
+        &self,
+        msg: &Incoming<'_>,
+        consumer: impl Into<String>,
+        missing: MissingIdPolicy,
+        what: &'static str,
+    ) -> Result<Option<MessageKey>, IdError> {
+        match self.extract(msg) {
+            Some(id) => Ok(Some(MessageKey::new(consumer, id)?.with_stream(msg.stream))),
+            None => match missing {
+                MissingIdPolicy::ProcessWithoutDedup => Ok(None),
+                _ => Err(IdError::Missing(what)),
+            },
+        }
+    }
 }
 
 /// What to do with a message that has no id.
@@ -227,14 +247,13 @@ mod tests {
         let a = MessageKey::new("c/s=x", "1").unwrap();
         let b = MessageKey::new("c", "1").unwrap().with_stream("x");
         assert_ne!(a.scope_name(), b.scope_name());
-        let p0 = MessageKey::new("c", "7")
-            .unwrap()
-            .with_stream("s")
-            .with_partition("0");
-        let p1 = MessageKey::new("c", "7")
-            .unwrap()
-            .with_stream("s")
-            .with_partition("1");
+        let in_partition = |p| {
+            MessageKey::new("c", "7")
+                .unwrap()
+                .with_stream("s")
+                .with_partition(p)
+        };
+        let (p0, p1) = (in_partition("0"), in_partition("1"));
         assert_ne!(p0.scope_name(), p1.scope_name());
         assert_eq!(p0.scope_name(), "c/s=s/p=0");
     }

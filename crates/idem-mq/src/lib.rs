@@ -50,6 +50,9 @@ pub use idem_core::BoxError;
 pub use idem_sql::inbox;
 pub use identity::{IdError, IdExtractor, IdSource, Incoming, MessageKey, MissingIdPolicy};
 #[cfg(feature = "sql")]
+#[doc(hidden)]
+pub use sql::__private;
+#[cfg(feature = "sql")]
 pub use sql::{SqlInbox, TxHandler};
 
 /// A message as handlers see it: its key (absent only when the adapter's
@@ -434,4 +437,48 @@ pub(crate) fn key_of(id: &str) -> IdempotencyKey {
         ))
         .expect("71 visible ASCII characters")
     })
+}
+
+/// One delivery, as both adapters run it: `processor` on `message` (or the
+/// rejection of an id-less one), then `settle` with the disposition; the
+/// report counts the outcome and an ack `settle` could not make. `requeue`
+/// and `reject` say in the log what the broker does with a failed or an
+/// id-less message.
+#[cfg(any(feature = "amqp", feature = "nats"))]
+pub(crate) async fn run_delivery<P, S, E>(
+    processor: &P,
+    message: Result<Message, IdError>,
+    retry_delay: Duration,
+    (requeue, reject): (&str, &str),
+    settle: impl FnOnce(Disposition) -> S,
+) -> Report
+where
+    P: Processor + ?Sized,
+    S: std::future::Future<Output = Result<(), E>>,
+    E: fmt::Display,
+{
+    let mut report = Report {
+        received: 1,
+        ..Report::default()
+    };
+    let disposition = match message {
+        Ok(m) => {
+            let outcome = processor.process(&m).await;
+            if let Outcome::Failed(e) = &outcome {
+                tracing::warn!(error = %e, "idem-mq: handler failed; the message will be {requeue}");
+            }
+            report.count(&outcome);
+            outcome.disposition(retry_delay)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "idem-mq: message without id {reject}");
+            report.rejected += 1;
+            Disposition::Reject
+        }
+    };
+    if let Err(e) = settle(disposition).await {
+        tracing::warn!(error = %e, "idem-mq: ack failed; the message will be redelivered");
+        report.ack_errors += 1;
+    }
+    report
 }

@@ -27,8 +27,8 @@ use futures::StreamExt;
 use idem_core::BoxError;
 
 use crate::{
-    Disposition, IdError, IdSource, Incoming, Message, MessageKey, MissingIdPolicy, Outcome,
-    Processor, Report,
+    run_delivery, Disposition, IdError, IdSource, Incoming, Message, MissingIdPolicy, Processor,
+    Report,
 };
 
 /// The header JetStream uses for a message's id.
@@ -144,35 +144,18 @@ impl<P: Processor> NatsConsumer<P> {
 
     /// Processes one delivered message and acks / naks / terminates it.
     pub async fn handle(&self, msg: JsMessage) -> Report {
-        let mut report = Report {
-            received: 1,
-            ..Report::default()
-        };
-        let disposition = match message_of(&msg, &self.options) {
-            Ok(m) => {
-                let outcome = self.processor.process(&m).await;
-                if let Outcome::Failed(e) = &outcome {
-                    tracing::warn!(error = %e, "idem-mq: handler failed; the message will be redelivered");
-                }
-                report.count(&outcome);
-                outcome.disposition(self.options.retry_delay)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "idem-mq: message without id terminated");
-                report.rejected += 1;
-                Disposition::Reject
+        let message = message_of(&msg, &self.options);
+        let msg = &msg;
+        let settle = |disposition| async move {
+            match disposition {
+                Disposition::Ack => msg.ack().await,
+                Disposition::Retry { delay } => msg.ack_with(AckKind::Nak(Some(delay))).await,
+                Disposition::Reject => msg.ack_with(AckKind::Term).await,
             }
         };
-        let ack = match disposition {
-            Disposition::Ack => msg.ack().await,
-            Disposition::Retry { delay } => msg.ack_with(AckKind::Nak(Some(delay))).await,
-            Disposition::Reject => msg.ack_with(AckKind::Term).await,
-        };
-        if let Err(e) = ack {
-            tracing::warn!(error = %e, "idem-mq: ack failed; the message will be redelivered");
-            report.ack_errors += 1;
-        }
-        report
+        let notes = ("redelivered", "terminated");
+        let delay = self.options.retry_delay;
+        run_delivery(&self.processor, message, delay, notes, settle).await
     }
 }
 
@@ -212,13 +195,12 @@ pub fn message_of(msg: &JsMessage, options: &NatsOptions) -> Result<Message, IdE
         stream: info.stream,
     };
     let consumer = options.consumer_name.as_deref().unwrap_or(info.consumer);
-    let key = match options.id_source.extract(&incoming) {
-        Some(id) => Some(MessageKey::new(consumer, id)?.with_stream(info.stream)),
-        None => match options.missing_id {
-            MissingIdPolicy::ProcessWithoutDedup => None,
-            _ => return Err(IdError::Missing("no Nats-Msg-Id / extracted id")),
-        },
-    };
+    let key = options.id_source.key_of(
+        &incoming,
+        consumer,
+        options.missing_id,
+        "no Nats-Msg-Id / extracted id",
+    )?;
     Ok(Message {
         key,
         payload: msg.payload.to_vec(),

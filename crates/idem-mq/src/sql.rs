@@ -93,3 +93,48 @@ impl<DB: InboxDatabase, H: TxHandler<DB>> Processor for SqlInbox<DB, H> {
         }
     }
 }
+
+#[doc(hidden)]
+pub mod __private {
+    pub use async_trait::async_trait;
+    pub use sqlx::Transaction;
+}
+
+/// Implements [`TxHandler`] for `$handler` on each listed database: one
+/// body for all of them, with `$sql` bound to that database's statements
+/// (any expression, e.g. a string or a tuple of strings in its placeholder
+/// syntax). `$this` is `&self`, `$tx` the inbox's transaction, `$msg` the
+/// message.
+///
+/// ```
+/// use idem_mq::{tx_handler, BoxError};
+///
+/// struct Credit;
+///
+/// tx_handler!(Credit, |this, tx, msg, sql| {
+///     let id = msg.key.as_ref().map(|k| k.raw_id().to_owned());
+///     sqlx::query(sql).bind(id).execute(&mut **tx).await?;
+///     Ok(())
+/// }, sqlx::Sqlite => "INSERT INTO credits (id) VALUES (?1)");
+/// ```
+#[macro_export]
+macro_rules! tx_handler {
+    ($handler:ty, |$this:ident, $tx:ident, $msg:ident, $sql:ident| $body:block,
+     $($db:ty => $stmts:expr),+ $(,)?) => {
+        $(
+            #[$crate::__private::async_trait]
+            impl $crate::TxHandler<$db> for $handler {
+                async fn handle(
+                    &self,
+                    $tx: &mut $crate::__private::Transaction<'static, $db>,
+                    $msg: &$crate::Message,
+                ) -> ::std::result::Result<(), $crate::BoxError> {
+                    #[allow(unused_variables)]
+                    let $this = self;
+                    let $sql = $stmts;
+                    $body
+                }
+            }
+        )+
+    };
+}

@@ -126,18 +126,13 @@ async fn h2_expired_lease_is_processed_again_and_live_one_is_not() {
 #[tokio::test]
 async fn partitions_and_consumers_scope_ids() {
     let dedup = Dedup::new(MemoryStore::new()).with_options(opts());
-    let p0 = MessageKey::new("c", "offset-5")
-        .unwrap()
-        .with_stream("orders")
-        .with_partition("0");
-    let p1 = MessageKey::new("c", "offset-5")
-        .unwrap()
-        .with_stream("orders")
-        .with_partition("1");
-    let other = MessageKey::new("d", "offset-5")
-        .unwrap()
-        .with_stream("orders")
-        .with_partition("0");
+    let key = |consumer, partition| {
+        MessageKey::new(consumer, "offset-5")
+            .unwrap()
+            .with_stream("orders")
+            .with_partition(partition)
+    };
+    let (p0, p1, other) = (key("c", "0"), key("c", "1"), key("d", "0"));
     for k in [&p0, &p1, &other] {
         assert_eq!(
             dedup.run(k, || async { Ok::<_, &str>(()) }).await.unwrap(),

@@ -45,7 +45,7 @@ pub async fn engine_runs_once_under_concurrency<H: Harness>(h: &H) {
     let engine = Engine::with_config(h.store(), config(Duration::from_secs(30), Action::Hold));
     let (scope, key) = (fresh_scope(), fresh_key("engine-race"));
     let runs = Arc::new(AtomicUsize::new(0));
-    let outcomes = all_at_once(16, || {
+    let outcomes = all_at_once(16, |_| {
         let (engine, scope, key, runs) = (engine.clone(), scope.clone(), key.clone(), runs.clone());
         async move {
             let op = |_lease| async move {

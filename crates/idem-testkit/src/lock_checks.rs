@@ -43,7 +43,7 @@ use idem_core::ManualClock;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::random_hex;
+use crate::support::{all_at_once, random_hex};
 
 const TTL: Duration = Duration::from_millis(1000);
 const LONG: Duration = Duration::from_secs(60);
@@ -404,20 +404,15 @@ pub async fn fences_grow_across_release_and_expiry<H: LockHarness>(h: &H) {
 pub async fn one_winner_among_16<H: LockHarness>(h: &H) {
     let lock = Lock::new(h.backend());
     let name = fresh_name("race");
-    let barrier = Arc::new(tokio::sync::Barrier::new(16));
-    let tasks: Vec<_> = (0..16)
-        .map(|_| {
-            let (lock, name, barrier) = (lock.clone(), name.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                lock.try_acquire(&name, LONG).await
-            })
-        })
-        .collect();
+    let answers = all_at_once(16, |_| {
+        let (lock, name) = (lock.clone(), name.clone());
+        async move { lock.try_acquire(&name, LONG).await }
+    })
+    .await;
     let mut winners = Vec::new();
     let mut busy = 0;
-    for t in tasks {
-        match t.await.expect("task").expect("try_acquire") {
+    for answer in answers {
+        match answer.expect("try_acquire") {
             Acquire::Held(g) => winners.push(g),
             Acquire::Busy { .. } => busy += 1,
         }

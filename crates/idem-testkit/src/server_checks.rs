@@ -2,10 +2,9 @@
 //! conformance suite: one key raced through two separate connections or
 //! pools, and corrupt records reported as `Corrupt`.
 
-use std::sync::Arc;
-use std::time::Duration;
+use idem_core::{BeginRequest, Lease, Phase, Store, StoreError};
 
-use idem_core::{Begin, BeginRequest, Lease, Phase, Store, StoreError};
+use crate::support::{all_at_once, one_winner};
 
 /// `n` concurrent `begin(r)`s, alternating between stores `a` and `b` (two
 /// separate pools or connections on one backend), released together by a
@@ -21,36 +20,14 @@ pub async fn race_begins<S: Store + Clone + 'static>(
     r: &BeginRequest,
     n: usize,
 ) -> Lease {
-    let barrier = Arc::new(tokio::sync::Barrier::new(n));
-    let tasks: Vec<_> = (0..n)
-        .map(|i| {
-            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
-            let (r, barrier) = (r.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.begin(&r).await
-            })
-        })
-        .collect();
-    let mut acquired = Vec::new();
-    let mut in_flight = 0;
-    for t in tasks {
-        match t.await.expect("task").expect("begin") {
-            Begin::Acquired(l) => acquired.push(l),
-            Begin::InFlight { retry_after } => {
-                assert!(
-                    retry_after > Duration::ZERO && retry_after <= r.lease,
-                    "retry_after {retry_after:?} within the lease {:?}",
-                    r.lease
-                );
-                in_flight += 1;
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    assert_eq!(acquired.len(), 1, "exactly one winner: {acquired:?}");
-    assert_eq!(in_flight, n - 1);
-    acquired.pop().expect("one")
+    let answers = all_at_once(n, |i| {
+        let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+        let r = r.clone();
+        async move { store.begin(&r).await }
+    })
+    .await;
+    let answers = answers.into_iter().map(|a| a.expect("begin")).collect();
+    one_winner(answers, r.lease)
 }
 
 /// The record of `r` is corrupt: `begin` reports `Corrupt` (phase `Begin`,

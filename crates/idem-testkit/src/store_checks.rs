@@ -2,7 +2,6 @@
 //! protocol. Each takes a [`Harness`] and panics (fails the test) on a
 //! violation. [`crate::conformance_tests!`] turns each into a `#[tokio::test]`.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem_core::{
@@ -36,50 +35,19 @@ async fn race_begins<S: Store + Clone>(
     req: &idem_core::BeginRequest,
     n: usize,
 ) -> Vec<Begin> {
-    let barrier = Arc::new(tokio::sync::Barrier::new(n));
-    let tasks: Vec<_> = (0..n)
-        .map(|_| {
-            let store = store.clone();
-            let req = req.clone();
-            let barrier = barrier.clone();
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.begin(&req).await
-            })
-        })
-        .collect();
+    let answers = all_at_once(n, |_| {
+        let (store, req) = (store.clone(), req.clone());
+        async move { store.begin(&req).await }
+    })
+    .await;
     let mut out = Vec::with_capacity(n);
-    for t in tasks {
-        match t.await.expect("begin task panicked") {
+    for answer in answers {
+        match answer {
             Ok(b) => out.push(b),
             Err(e) => panic!("a concurrent begin failed: {e} ({e:?})"),
         }
     }
     out
-}
-
-/// Splits race answers into the one winner's lease and asserts every other
-/// answer is `InFlight` with a retry-after in `(0, lease]`.
-fn one_winner(answers: Vec<Begin>, lease: Duration) -> Lease {
-    let mut winners = Vec::new();
-    for a in answers {
-        match a {
-            Begin::Acquired(l) => winners.push(l),
-            Begin::InFlight { retry_after } => {
-                assert!(
-                    retry_after > Duration::ZERO && retry_after <= lease,
-                    "retry_after {retry_after:?} outside (0, {lease:?}]"
-                );
-            }
-            other => panic!("a concurrent begin answered {other:?}"),
-        }
-    }
-    assert_eq!(
-        winners.len(),
-        1,
-        "exactly one concurrent begin may acquire: {winners:?}"
-    );
-    winners.pop().expect("one winner")
 }
 
 /// Claim once: the first `begin` acquires, the second is `InFlight` with a

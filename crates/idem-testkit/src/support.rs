@@ -48,21 +48,22 @@ pub fn req(
     }
 }
 
-/// Runs `n` futures made by `task` at once: each is spawned, and all are
-/// released together by a barrier. Returns their outputs in spawn order.
+/// Runs `n` futures made by `task` (given their index, `0..n`) at once:
+/// each is spawned, and all are released together by a barrier. Returns
+/// their outputs in spawn order.
 ///
 /// # Panics
 /// When a task panicked.
 pub async fn all_at_once<F, Fut>(n: usize, task: F) -> Vec<Fut::Output>
 where
-    F: Fn() -> Fut,
+    F: Fn(usize) -> Fut,
     Fut: std::future::Future + Send + 'static,
     Fut::Output: Send + 'static,
 {
     let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
     let handles: Vec<_> = (0..n)
-        .map(|_| {
-            let (barrier, fut) = (barrier.clone(), task());
+        .map(|i| {
+            let (barrier, fut) = (barrier.clone(), task(i));
             tokio::spawn(async move {
                 barrier.wait().await;
                 fut.await
@@ -74,6 +75,30 @@ where
         outputs.push(h.await.expect("task"));
     }
     outputs
+}
+
+/// Splits race answers into the one winner's lease and asserts every other
+/// answer is `InFlight` with a retry-after in `(0, lease]`.
+pub(crate) fn one_winner(answers: Vec<Begin>, lease: Duration) -> Lease {
+    let mut winners = Vec::new();
+    for a in answers {
+        match a {
+            Begin::Acquired(l) => winners.push(l),
+            Begin::InFlight { retry_after } => {
+                assert!(
+                    retry_after > Duration::ZERO && retry_after <= lease,
+                    "retry_after {retry_after:?} outside (0, {lease:?}]"
+                );
+            }
+            other => panic!("a concurrent begin answered {other:?}"),
+        }
+    }
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one concurrent begin may acquire: {winners:?}"
+    );
+    winners.pop().expect("one winner")
 }
 
 /// A fresh scope and a fresh key starting with `label`, and the `begin`

@@ -114,7 +114,7 @@ pub async fn token_concurrent_use_runs_once<H: Harness>(h: &H) {
     let (t, scope, issued) =
         issue_one(h.store(), Duration::from_secs(60), Duration::from_secs(30)).await;
     let runs = Arc::new(AtomicUsize::new(0));
-    let outcomes = all_at_once(16, || {
+    let outcomes = all_at_once(16, |_| {
         let (t, scope, token, runs) =
             (t.clone(), scope.clone(), issued.token.clone(), runs.clone());
         async move {

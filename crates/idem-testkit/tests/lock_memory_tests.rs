@@ -25,6 +25,16 @@ mod memory_lock_tests {
         }
     }
 
+    /// `got` is the name's second holder (fence 2), which then releases it;
+    /// `what` says in the panic why it should hold the name.
+    async fn second_holder_releases(got: Result<Acquire, LockError>, what: &str) {
+        let Ok(Acquire::Held(g)) = got else {
+            panic!("{what}: {got:?}")
+        };
+        assert_eq!(g.fence(), 2);
+        assert!(g.release().await.expect("release"));
+    }
+
     /// A guard's lease end is the manual clock's time plus the TTL, and
     /// renewals move it by the clock.
     #[tokio::test(start_paused = true)]
@@ -46,15 +56,10 @@ mod memory_lock_tests {
         let lock = Lock::new(MemoryLockBackend::default());
         let g = held(&lock, "dropped", Duration::from_secs(60)).await;
         drop(g);
-        let Acquire::Held(g) = lock
+        let got = lock
             .acquire("dropped", Duration::from_secs(60), Duration::from_secs(1))
-            .await
-            .expect("acquire")
-        else {
-            panic!("a dropped guard must release its lock")
-        };
-        assert_eq!(g.fence(), 2);
-        assert!(g.release().await.expect("release"));
+            .await;
+        second_holder_releases(got, "a dropped guard must release its lock").await;
     }
 
     /// `wait = Duration::MAX` cannot be added to an instant: it means "no
@@ -74,11 +79,7 @@ mod memory_lock_tests {
         assert!(!waiter.is_finished(), "acquire(wait = MAX) gave up early");
         assert!(g.release().await.expect("release"));
         let got = waiter.await.expect("acquire(wait = MAX) panicked");
-        let Ok(Acquire::Held(g2)) = got else {
-            panic!("acquire(wait = MAX) after release: {got:?}")
-        };
-        assert_eq!(g2.fence(), 2);
-        assert!(g2.release().await.expect("release"));
+        second_holder_releases(got, "acquire(wait = MAX) after release").await;
     }
 
     /// `Lock::run` with `wait: Duration::MAX` runs the operation.

@@ -23,9 +23,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_mq::inbox::{Inbox, InboxOptions};
-use idem_mq::{BoxError, Message, Outcome, Processor, Report, SqlInbox, TxHandler};
+use idem_mq::{BoxError, Message, Outcome, Processor, Report, SqlInbox};
 use serde::{Deserialize, Serialize};
-use sqlx::Transaction;
 
 /// The message: a payment was captured; credit `account` by `amount_cents`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,34 +72,35 @@ fn parse(msg: &Message) -> Result<PaymentCaptured, BoxError> {
     Ok(p)
 }
 
-/// `TxHandler<$db> for Credit`, with the two statements in `$db`'s
-/// placeholder syntax: insert the credit, then add it to the balance.
-macro_rules! credit_handler {
-    ($db:ty, $insert_credit:literal, $add_to_balance:literal) => {
-        #[async_trait]
-        impl TxHandler<$db> for Credit {
-            async fn handle(
-                &self,
-                tx: &mut Transaction<'static, $db>,
-                msg: &Message,
-            ) -> Result<(), BoxError> {
-                let p = parse(msg)?;
-                sqlx::query($insert_credit)
-                    .bind(&p.payment_id)
-                    .bind(&p.account)
-                    .bind(p.amount_cents)
-                    .execute(&mut **tx)
-                    .await?;
-                sqlx::query($add_to_balance)
-                    .bind(&p.account)
-                    .bind(p.amount_cents)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(())
-            }
-        }
-    };
-}
+// `TxHandler` for each database, with the two statements in its placeholder
+// syntax: insert the credit, then add it to the balance.
+idem_mq::tx_handler!(Credit, |_this, tx, msg, sql| {
+    let (insert_credit, add_to_balance) = sql;
+    let p = parse(msg)?;
+    sqlx::query(insert_credit)
+        .bind(&p.payment_id)
+        .bind(&p.account)
+        .bind(p.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(add_to_balance)
+        .bind(&p.account)
+        .bind(p.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+},
+    sqlx::Sqlite => (
+        "INSERT INTO credits (payment_id, account, amount_cents) VALUES (?1, ?2, ?3)",
+        "INSERT INTO accounts (account, balance_cents) VALUES (?1, ?2) \
+         ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
+    ),
+    sqlx::Postgres => (
+        "INSERT INTO credits (payment_id, account, amount_cents) VALUES ($1, $2, $3)",
+        "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2) \
+         ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents",
+    ),
+);
 
 /// Creates the ledger's tables on `$pool`, then the inbox over it
 /// (migrated) with the [`Credit`] handler.
@@ -130,19 +130,6 @@ macro_rules! ledger_scalar {
         }
     };
 }
-
-credit_handler!(
-    sqlx::Sqlite,
-    "INSERT INTO credits (payment_id, account, amount_cents) VALUES (?1, ?2, ?3)",
-    "INSERT INTO accounts (account, balance_cents) VALUES (?1, ?2) \
-     ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents"
-);
-credit_handler!(
-    sqlx::Postgres,
-    "INSERT INTO credits (payment_id, account, amount_cents) VALUES ($1, $2, $3)",
-    "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2) \
-     ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents"
-);
 
 const SCHEMA: [&str; 2] = [
     "CREATE TABLE IF NOT EXISTS accounts (account VARCHAR(255) PRIMARY KEY, balance_cents BIGINT NOT NULL)",

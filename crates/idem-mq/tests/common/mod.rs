@@ -13,9 +13,7 @@ use async_trait::async_trait;
 use idem_core::BoxError;
 use idem_mq::{
     Dedup, DedupOptions, Message, MessageHandler, MessageKey, Outcome, Processor, Report, SqlInbox,
-    TxHandler,
 };
-use sqlx::Transaction;
 
 pub const START_PG: &str =
     "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start";
@@ -78,38 +76,21 @@ impl Credit {
     }
 }
 
-/// `impl TxHandler<$db> for Credit`: `$insert` inserts `(payment_id, 500)`
-/// into the table `{}`.
-macro_rules! credit_handler {
-    ($db:ty, $insert:literal) => {
-        #[async_trait]
-        impl TxHandler<$db> for Credit {
-            async fn handle(
-                &self,
-                tx: &mut Transaction<'static, $db>,
-                msg: &Message,
-            ) -> Result<(), BoxError> {
-                let id = payment_id(msg)?;
-                sqlx::query(&format!($insert, self.table))
-                    .bind(id)
-                    .execute(&mut **tx)
-                    .await?;
-                if self.should_fail() {
-                    return Err("injected failure after the business write".into());
-                }
-                Ok(())
-            }
-        }
-    };
-}
-
-credit_handler!(
-    sqlx::Sqlite,
-    "INSERT INTO {} (payment_id, cents) VALUES (?1, 500)"
-);
-credit_handler!(
-    sqlx::Postgres,
-    "INSERT INTO {} (payment_id, cents) VALUES ($1, 500)"
+// `TxHandler` for each database: the insert puts `(payment_id, 500)` into
+// the handler's table.
+idem_mq::tx_handler!(Credit, |this, tx, msg, insert| {
+    let id = payment_id(msg)?;
+    sqlx::query(&insert(&this.table))
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    if this.should_fail() {
+        return Err("injected failure after the business write".into());
+    }
+    Ok(())
+},
+    sqlx::Sqlite => |t: &str| format!("INSERT INTO {t} (payment_id, cents) VALUES (?1, 500)"),
+    sqlx::Postgres => |t: &str| format!("INSERT INTO {t} (payment_id, cents) VALUES ($1, 500)"),
 );
 
 /// The store-dedup handler: effects counted in memory per payment id.
@@ -344,6 +325,15 @@ pub async fn assert_each_once<L: Ledger>(ledger: &L, report: &Report, n: usize) 
     assert_eq!(report.applied, n as u64 - 4, "{report:?}");
 }
 
+/// The crash windows' end: "after-commit" (committed, ack lost) came again
+/// as a duplicate, "before-commit" (no commit) was applied; one effect each.
+pub async fn assert_crash_windows<L: Ledger>(ledger: &L, report: &Report) {
+    assert_eq!((report.applied, report.duplicates), (1, 1), "{report:?}");
+    let effects = ledger.effects().await;
+    assert_eq!(effects.get("after-commit"), Some(&1));
+    assert_eq!(effects.get("before-commit"), Some(&1));
+}
+
 /// `id` was processed before by this consumer, from `stream`.
 pub async fn processed_before<L: Ledger>(ledger: &L, stream: &str, id: &str) {
     let key = MessageKey::new("payments", id).unwrap().with_stream(stream);
@@ -355,15 +345,32 @@ pub async fn processed_before<L: Ledger>(ledger: &L, stream: &str, id: &str) {
     assert!(matches!(ledger.process(&earlier).await, Outcome::Applied));
 }
 
-/// One `#[tokio::test]` per `name = ledger`: `scenario(common::ledger().await)`.
+/// A module `$scenario` with one `#[tokio::test]` per ledger, each
+/// `$scenario(common::ledger().await)`: `all` the ledgers (the SQL inboxes
+/// and Redis store dedup), or only the `sql` inboxes.
 #[allow(unused_macros)]
 macro_rules! per_ledger {
-    ($scenario:ident: $($name:ident = $ledger:ident),* $(,)?) => {$(
-        #[tokio::test]
-        async fn $name() {
-            $scenario($crate::common::$ledger().await).await;
-        }
-    )*};
+    ($scenario:ident: all) => {
+        $crate::common::per_ledger!(@tests $scenario:
+            sqlite_inbox = sqlite_ledger,
+            postgres_inbox = pg_ledger,
+            redis_dedup = redis_ledger,
+        );
+    };
+    ($scenario:ident: sql) => {
+        $crate::common::per_ledger!(@tests $scenario:
+            sqlite_inbox = sqlite_ledger,
+            postgres_inbox = pg_ledger,
+        );
+    };
+    (@tests $scenario:ident: $($name:ident = $ledger:ident),* $(,)?) => {
+        mod $scenario {$(
+            #[tokio::test]
+            async fn $name() {
+                super::$scenario($crate::common::$ledger().await).await;
+            }
+        )*}
+    };
 }
 #[allow(unused_imports)]
 pub(crate) use per_ledger;
