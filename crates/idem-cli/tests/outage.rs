@@ -94,6 +94,16 @@ impl Load {
         std::mem::take(&mut *self.samples.lock().unwrap())
     }
 
+    /// How many requests sent at or after `t` have their answer.
+    fn answered_since(&self, t: Instant) -> usize {
+        self.samples
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.sent >= t)
+            .count()
+    }
+
     fn ok_count(&self) -> usize {
         self.samples
             .lock()
@@ -207,6 +217,13 @@ async fn outage_scenario(server: &mut dyn OwnServer, store: &str, kind: &str, di
     tokio::time::sleep(Duration::from_millis(500)).await;
     let executions_when_down = up.total();
     tokio::time::sleep(Duration::from_millis(2000)).await;
+    // Workers caught saving a result at the kill wait out the engine's save
+    // wait (2 s) first: keep the store down until requests sent during the
+    // outage have been answered (bounded).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while load.answered_since(killed_at) < 6 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let (status, body) = gw.health(&c).await;
     assert_eq!(status, 503, "health while the store is down: {body}");
     assert_eq!(body["type"], "urn:idem:problem:store-unavailable");
