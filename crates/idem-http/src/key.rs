@@ -11,9 +11,16 @@
 //!
 //! Either way the key must be 1–255 characters of 0x20–0x7E, not all blank
 //! ([`IdempotencyKey::new`]). Optional whitespace (SP, HTAB) around the field
-//! value is not part of it (RFC 9110, section 5.5).
+//! value is not part of it (RFC 9110, section 5.5); for the same reason a
+//! quoted key may not start or end with a space (`" abc"`): forwarded bare
+//! ([`key_header_value`]), the space would be lost and two keys would reach
+//! the upstream as one.
+//!
+//! A character outside 0x20–0x7E is named as the character it is (UTF-8
+//! decoded: `'é' at byte 2`), or as a byte (`0xFF`) when the bytes are not
+//! UTF-8.
 
-use http::{HeaderMap, HeaderName};
+use http::{HeaderMap, HeaderName, HeaderValue};
 use idem_core::{IdempotencyKey, KeyError};
 
 /// `Idempotency-Key` (IETF httpapi draft).
@@ -43,10 +50,34 @@ pub enum KeyHeaderError {
         /// What is wrong.
         reason: &'static str,
     },
-    /// The key itself is not valid (empty, blank, too long, or a byte
-    /// outside 0x20–0x7E).
+    /// The key itself is not valid (empty, blank, too long, or a
+    /// character outside 0x20–0x7E).
     #[error("invalid Idempotency-Key: {0}")]
     Invalid(#[from] KeyError),
+    /// The value holds a byte that does not start a UTF-8 character (so it
+    /// cannot be named as one).
+    #[error("invalid Idempotency-Key: byte 0x{byte:02X} at byte {at} is not UTF-8; only 0x20-0x7E are allowed")]
+    InvalidByte {
+        /// Byte offset in the field value (surrounding whitespace removed).
+        at: usize,
+        /// The byte.
+        byte: u8,
+    },
+}
+
+/// The one form in which a key is handed on (to the inner service, and by
+/// the gateway to the upstream): the bare key, `abc` for each of `"abc"`,
+/// `abc` and `"abc";p=1`. `None` never happens for a key from
+/// [`parse_key`] (0x20–0x7E, no space at either end).
+///
+/// ```
+/// use idem_http::key::{key_header_value, parse_key};
+/// for sent in [&b"\"abc\""[..], b"abc", b"\"abc\";p=1"] {
+///     assert_eq!(key_header_value(&parse_key(sent).unwrap()).unwrap(), "abc");
+/// }
+/// ```
+pub fn key_header_value(key: &IdempotencyKey) -> Option<HeaderValue> {
+    HeaderValue::from_str(key.as_str()).ok()
 }
 
 /// The key of a request: `Ok(None)` without an `Idempotency-Key` field,
@@ -91,9 +122,11 @@ pub fn key_from_headers(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, K
 /// ```
 ///
 /// # Errors
-/// [`KeyHeaderError::BadString`] for a malformed sf-string,
+/// [`KeyHeaderError::BadString`] for a malformed sf-string (or one whose
+/// string starts or ends with a space),
 /// [`KeyHeaderError::Invalid`] for an empty, blank or too long key or one
-/// with a byte outside 0x20–0x7E.
+/// with a character outside 0x20–0x7E, [`KeyHeaderError::InvalidByte`]
+/// for a byte that is not UTF-8.
 pub fn parse_key(value: &[u8]) -> Result<IdempotencyKey, KeyHeaderError> {
     let value = trim_ows(value);
     let raw = if value.first() == Some(&b'"') {
@@ -114,17 +147,27 @@ fn trim_ows(mut v: &[u8]) -> &[u8] {
     v
 }
 
-/// The bytes as a String when they are all 0x20–0x7E; the first bad byte
-/// otherwise (reported like [`IdempotencyKey::new`] does).
+/// The bytes as a String when they are all 0x20–0x7E; the first bad
+/// character otherwise ([`invalid_at`]).
 fn ascii_string(v: &[u8]) -> Result<String, KeyHeaderError> {
     if let Some(at) = v.iter().position(|b| !(0x20..=0x7e).contains(b)) {
-        return Err(KeyError::InvalidChar {
-            at,
-            ch: char::from(v[at]),
-        }
-        .into());
+        return Err(invalid_at(v, at));
     }
     Ok(v.iter().map(|&b| char::from(b)).collect())
+}
+
+/// The error for the bad byte at `at`: the UTF-8 character that starts
+/// there ([`KeyError::InvalidChar`]), or the byte itself when none does
+/// ([`KeyHeaderError::InvalidByte`]).
+fn invalid_at(v: &[u8], at: usize) -> KeyHeaderError {
+    let ch = v[at..]
+        .utf8_chunks()
+        .next()
+        .and_then(|chunk| chunk.valid().chars().next());
+    match ch {
+        Some(ch) => KeyError::InvalidChar { at, ch }.into(),
+        None => KeyHeaderError::InvalidByte { at, byte: v[at] },
+    }
 }
 
 fn bad(reason: &'static str) -> KeyHeaderError {
@@ -138,6 +181,11 @@ fn parse_sf_string_item(v: &[u8]) -> Result<String, KeyHeaderError> {
     let rest = parse_parameters(rest)?;
     if !rest.is_empty() {
         return Err(bad("unexpected characters after the string"));
+    }
+    if s.trim_matches(' ').len() != s.len() && !s.trim_matches(' ').is_empty() {
+        return Err(bad(
+            "the string starts or ends with a space, which would be lost when the key is forwarded",
+        ));
     }
     Ok(s)
 }
@@ -162,7 +210,7 @@ fn parse_sf_string(v: &[u8]) -> Result<(String, &[u8]), KeyHeaderError> {
             },
             b'"' => return Ok((out, &v[i..])),
             0x20..=0x7e => out.push(char::from(c)),
-            _ => return Err(bad("only printable ASCII is allowed")),
+            _ => return Err(invalid_at(v, i - 1)),
         }
     }
 }
@@ -371,6 +419,39 @@ mod tests {
             key(quoted.as_bytes()),
             Err(KeyHeaderError::Invalid(KeyError::TooLong { .. }))
         ));
+    }
+
+    #[test]
+    fn bad_characters_are_named_as_they_are() {
+        assert_eq!(
+            key("ab\u{e9}".as_bytes()),
+            Err(KeyHeaderError::Invalid(KeyError::InvalidChar { at: 2, ch: '\u{e9}' }))
+        );
+        assert_eq!(
+            key("\"ab\u{e9}\"".as_bytes()),
+            Err(KeyHeaderError::Invalid(KeyError::InvalidChar { at: 3, ch: '\u{e9}' }))
+        );
+        let e = key("pay-\u{e9}t\u{e9}".as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("'\u{e9}' at byte 4"), "{e}");
+        assert!(!e.contains('\u{c3}'), "{e}");
+        assert_eq!(
+            key(b"ab\xff"),
+            Err(KeyHeaderError::InvalidByte { at: 2, byte: 0xff })
+        );
+        assert!(key(b"ab\xff").unwrap_err().to_string().contains("0xFF"));
+        assert_eq!(
+            key(b"a\x7fb"),
+            Err(KeyHeaderError::Invalid(KeyError::InvalidChar { at: 1, ch: '\u{7f}' }))
+        );
+    }
+
+    #[test]
+    fn quoted_keys_with_outer_spaces_are_refused() {
+        for v in [&b"\" abc\""[..], b"\"abc \"", b"\" abc \";p=1"] {
+            assert!(matches!(key(v), Err(KeyHeaderError::BadString { .. })), "{v:?}");
+        }
+        assert_eq!(key(b"\"a b\"").unwrap(), "a b");
+        assert_eq!(key(b"a b").unwrap(), "a b");
     }
 
     #[test]

@@ -29,6 +29,16 @@
 //! Requests of other methods, and guarded requests without a key, stream
 //! through untouched.
 //!
+//! ## One path, one key
+//!
+//! A guarded request's path is normalised once ([`normalize_path`]:
+//! unreserved escapes decoded, dot segments removed, repeated slashes
+//! merged) and the inner service gets the request with that path (query
+//! unchanged); the token routes and the fingerprint judge the same path.
+//! The `Idempotency-Key` field reaches the inner service as the bare key
+//! (`abc` for `"abc"`, `abc` or `"abc";p=1`), so one key to the layer is
+//! one value to the service behind it.
+//!
 //! ## A response body that fails
 //!
 //! A stored response's body is buffered (up to the retention limit) before
@@ -50,6 +60,9 @@
 //! | the inner service's                | first execution (stored before it is sent)                |
 //! | stored one + `Idempotent-Replayed` | same key, same request, completed                         |
 //! | 400 `invalid-key`, `multiple-keys`, `key-required`, `body-unreadable` | bad header, body read error |
+//! | 400 `method-case`                  | the method equals a guarded method except for letter case (`post`); methods are case-sensitive (RFC 9110 §9.1) and an upstream that upper-cases them would run it unguarded |
+//! | 400 `ambiguous-path`               | a guarded request whose path servers could read as different paths ([`PathError`]: `%2F`, `%5C`, `\`, control characters, malformed or double escapes, `;`) |
+//! | 502 `upstream-protocol`            | the inner service answered a guarded request with a 1xx (a `101 Switching Protocols`): never stored, the key is released |
 //! | 409 `in-flight` + `Retry-After`    | same key, same request, still running                     |
 //! | 410 `response-not-retained`        | the original's body was larger than the retention limit   |
 //! | 403 `token-unknown`               | a route of [`Options::require_token`] whose key is not a live submit token of the caller (never issued to it, or expired before its first use); the inner service is not called |
@@ -87,6 +100,7 @@ mod future;
 pub mod key;
 mod layer;
 mod options;
+pub mod path;
 mod policy;
 mod problem;
 pub mod replay;
@@ -100,6 +114,7 @@ pub use body::full;
 pub use future::ResponseFuture;
 pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED};
 pub use layer::IdempotencyLayer;
+pub use path::{normalize_path, PathError};
 pub use options::{
     FailOpenGuard, Options, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT,
     DEFAULT_TOKEN_TTL,

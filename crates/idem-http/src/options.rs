@@ -7,6 +7,7 @@ use std::time::Duration;
 use http::Method;
 use idem_core::{Action, EngineConfig, IdempotencyKey, Scope};
 
+use crate::path::{normalize_path, rule_form};
 use crate::policy::{default_policy, Disposition};
 use crate::scope::ScopeBy;
 
@@ -132,25 +133,51 @@ impl Options {
     /// Whether a guarded request for `path` must carry a submit token
     /// (see [`Options::require_token`]).
     ///
+    /// `path` and each prefix are compared in one form, whatever their
+    /// spelling: normalised ([`crate::path::normalize_path`]: unreserved
+    /// escapes decoded, dot segments removed, repeated slashes merged),
+    /// then fully percent-decoded and ASCII-lower-cased, so a route is
+    /// covered however an upstream may decode it, including routers that
+    /// ignore case (`/PAY/1` requires a token under `/pay`; a case-sensitive
+    /// upstream that has no `/PAY` route loses nothing by it). A path that
+    /// cannot be normalised (ambiguous, see [`crate::path::PathError`]) is
+    /// taken to need a token whenever a token route exists; the layer
+    /// refuses such paths with 400 before it asks.
+    ///
     /// ```
     /// let o = idem_http::Options { require_token: vec!["/pay".into()], ..Default::default() };
     /// assert!(o.token_required("/pay"));
     /// assert!(o.token_required("/pay/42"));
+    /// assert!(o.token_required("/%70ay/42"));
+    /// assert!(o.token_required("//pay/42"));
+    /// assert!(o.token_required("/x/../pay/42"));
+    /// assert!(o.token_required("/PAY/42"));
     /// assert!(!o.token_required("/payment"));
     /// assert!(!o.token_required("/orders"));
     /// ```
     pub fn token_required(&self, path: &str) -> bool {
-        self.require_token
-            .iter()
-            .any(|prefix| path_has_prefix(path, prefix))
+        if self.require_token.is_empty() {
+            return false;
+        }
+        let Ok(path) = normalize_path(path) else {
+            return true;
+        };
+        let path = rule_form(&path);
+        self.require_token.iter().any(|prefix| {
+            let prefix = match normalize_path(prefix) {
+                Ok(p) => rule_form(&p),
+                Err(_) => rule_form(prefix),
+            };
+            path_has_prefix(&path, &prefix)
+        })
     }
 }
 
 /// `path` equals `prefix`, or continues it with a new segment (or `prefix`
 /// ends in `/`).
-fn path_has_prefix(path: &str, prefix: &str) -> bool {
+fn path_has_prefix(path: &[u8], prefix: &[u8]) -> bool {
     match path.strip_prefix(prefix) {
-        Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
+        Some(rest) => rest.is_empty() || prefix.ends_with(b"/") || rest.starts_with(b"/"),
         None => false,
     }
 }
@@ -184,12 +211,44 @@ mod tests {
 
     #[test]
     fn token_prefixes_match_by_segment() {
-        assert!(path_has_prefix("/pay", "/pay"));
-        assert!(path_has_prefix("/pay/1", "/pay"));
-        assert!(!path_has_prefix("/payment", "/pay"));
-        assert!(path_has_prefix("/pay/1", "/pay/"));
-        assert!(!path_has_prefix("/pay", "/pay/"));
-        assert!(path_has_prefix("/anything", "/"));
-        assert!(!path_has_prefix("/orders", "/pay"));
+        let p = |a: &str, b: &str| path_has_prefix(a.as_bytes(), b.as_bytes());
+        assert!(p("/pay", "/pay"));
+        assert!(p("/pay/1", "/pay"));
+        assert!(!p("/payment", "/pay"));
+        assert!(p("/pay/1", "/pay/"));
+        assert!(!p("/pay", "/pay/"));
+        assert!(p("/anything", "/"));
+        assert!(!p("/orders", "/pay"));
+    }
+
+    #[test]
+    fn token_routes_hold_for_every_spelling() {
+        let o = Options {
+            require_token: vec!["/pay".into(), "/Check%6Fut/".into(), "/a:b".into()],
+            ..Options::default()
+        };
+        for covered in [
+            "/pay",
+            "/pay/1",
+            "/%70ay/1",
+            "/pa%79/1",
+            "//pay/1",
+            "/pay//1",
+            "/./pay/1",
+            "/x/../pay/1",
+            "/%2e%2e/pay/1",
+            "/PAY/1",
+            "/checkout/1",
+            "/CHECKOUT/x",
+            "/a%3Ab/1",
+            "/pay%2F1",
+            "/pay;x/1",
+        ] {
+            assert!(o.token_required(covered), "{covered}");
+        }
+        for free in ["/", "/payment", "/pa", "/orders/pay", "/checkout", "/a:c"] {
+            assert!(!o.token_required(free), "{free}");
+        }
+        assert!(!Options::default().token_required("/pay%2F1"));
     }
 }

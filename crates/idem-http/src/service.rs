@@ -19,8 +19,10 @@ use crate::body::{full, Prefixed};
 use crate::fingerprint::request_fingerprint;
 use crate::future::ResponseFuture;
 use crate::key::{
-    key_from_headers, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED,
+    key_from_headers, key_header_value, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS,
+    IDEMPOTENT_REPLAYED,
 };
+use crate::path::{normalize_path, PathError};
 use crate::options::{FailOpenGuard, Options};
 use crate::policy::Disposition;
 use crate::problem::Problem;
@@ -99,20 +101,34 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<B>) -> Self::Future {
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
         // Take the service that was driven to readiness; leave a clone.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let options = self.options.clone();
 
-        if !options.methods.contains(req.method()) {
-            return pass_through(&mut inner, req);
-        }
         let log = LogCtx {
             started: Instant::now(),
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
             key: String::new(),
+        };
+        if !options.methods.contains(req.method()) {
+            if let Some(guarded) = case_variant_of(&options.methods, req.method()) {
+                return ready(log.rejected(method_case(req.method(), guarded)));
+            }
+            return pass_through(&mut inner, req);
+        }
+        // Every decision by path (token routes, the fingerprint) and the
+        // inner service see one normalised path.
+        match normalized_uri(req.uri()) {
+            Ok(Some(uri)) => *req.uri_mut() = uri,
+            Ok(None) => {}
+            Err(e) => return ready(log.rejected(ambiguous_path(&e))),
+        }
+        let log = LogCtx {
+            path: req.uri().path().to_owned(),
+            ..log
         };
         let token = options.token_required(req.uri().path());
         let key = match key_from_headers(req.headers()) {
@@ -158,6 +174,12 @@ where
             ..log
         };
         let scope = options.scope.scope_of(req.headers());
+        // The key goes on in one form, the bare value: `"abc"`, `abc` and
+        // `"abc";p=1` are one key here, so they must be one value to the
+        // inner service (and the upstream's own unique constraint) too.
+        if let Some(v) = key_header_value(&key) {
+            req.headers_mut().insert(IDEMPOTENCY_KEY, v);
+        }
         if let Some(len) = content_length(req.headers()) {
             if len > options.max_body as u64 {
                 return ready(log.rejected(too_large(options.max_body)));
@@ -456,6 +478,65 @@ where
     }
 }
 
+/// The guarded method that `method` equals except for ASCII case (`post`
+/// for `POST`), if any. `method` itself is not guarded.
+fn case_variant_of<'a>(guarded: &'a [Method], method: &Method) -> Option<&'a Method> {
+    guarded
+        .iter()
+        .find(|g| g.as_str().eq_ignore_ascii_case(method.as_str()))
+}
+
+/// 400 `method-case`: methods are case-sensitive (RFC 9110 §9.1), and an
+/// upstream that upper-cases them (Werkzeug, Rack) would run `post` as the
+/// guarded POST; refused as nginx refuses lowercase methods.
+fn method_case(method: &Method, guarded: &Method) -> Problem {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "method-case",
+        format!(
+            "The method {:?} differs from the guarded method {guarded} only in letter case. \
+             Methods are case-sensitive (RFC 9110, section 9.1): send {guarded}.",
+            method.as_str()
+        ),
+    )
+    .with_member("method", method.as_str())
+}
+
+/// `uri` with its path normalised ([`normalize_path`]) and its query kept
+/// as it is: `Ok(None)` when the path is normal already.
+///
+/// # Errors
+/// The [`PathError`] of an ambiguous path (or one that does not start with
+/// `/`: `*`, an authority-form target).
+pub(crate) fn normalized_uri(uri: &http::Uri) -> Result<Option<http::Uri>, PathError> {
+    let path = match normalize_path(uri.path()) {
+        Ok(std::borrow::Cow::Borrowed(_)) => return Ok(None),
+        Ok(std::borrow::Cow::Owned(p)) => p,
+        Err(e) => return Err(e),
+    };
+    let pq = match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path,
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(pq.parse().map_err(|_| PathError::NotAbsolute)?);
+    http::Uri::from_parts(parts)
+        .map(Some)
+        .map_err(|_| PathError::NotAbsolute)
+}
+
+/// 400 `ambiguous-path` for a path that [`normalize_path`] refuses.
+pub(crate) fn ambiguous_path(e: &PathError) -> Problem {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "ambiguous-path",
+        format!(
+            "The request path is refused: {e}. Servers read such a path in different ways, so no \
+             rule about it could hold; send the path in plain form."
+        ),
+    )
+}
+
 fn content_length(headers: &HeaderMap) -> Option<u64> {
     headers
         .get(header::CONTENT_LENGTH)?
@@ -555,6 +636,17 @@ where
     RB::Error: Into<BoxError>,
 {
     let (mut parts, body) = resp.into_parts();
+    if parts.status.is_informational() {
+        // A 1xx is not an answer to the request: never stored, whatever the
+        // policy says. A 101 switched the connection to another protocol
+        // the layer cannot follow; the key is released for a retry.
+        tracing::warn!(
+            target: "idem",
+            status = parts.status.as_u16(),
+            "the inner service answered a guarded request with a 1xx status; answering 502, the key is released"
+        );
+        return (informational_answer(parts.status), Action::Release);
+    }
     // Only replays say they are replays.
     parts.headers.remove(IDEMPOTENT_REPLAYED);
     let disposition = parts
@@ -600,6 +692,23 @@ where
         },
     };
     (Response::from_parts(parts, body), action)
+}
+
+/// The 502 `upstream-protocol` answer for a 1xx final response (a `101
+/// Switching Protocols` to a guarded request).
+pub(crate) fn informational_answer(status: StatusCode) -> Response<BoxBody> {
+    Problem::new(
+        StatusCode::BAD_GATEWAY,
+        "upstream-protocol",
+        format!(
+            "The service answered {} to this request; protocol upgrades and informational \
+             answers are not results, so nothing was stored and this Idempotency-Key was \
+             released: a retry runs again.",
+            status.as_u16()
+        ),
+    )
+    .with_member("upstream_status", status.as_u16())
+    .into_response()
 }
 
 /// The 502 `upstream-failed` answer for a response whose body failed while
