@@ -9,6 +9,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use http::{HeaderName, Method, Uri};
+pub use ipnet::IpNet;
 use idem_core::RedactedUrl;
 use idem_http::{
     Options, ScopeBy, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT, DEFAULT_TOKEN_TTL,
@@ -223,6 +224,22 @@ pub struct GatewayArgs {
     /// up room. Must be above 0.
     #[arg(long, env = "IDEM_PURGE_INTERVAL", value_name = "DURATION", default_value = show_duration(DEFAULT_PURGE_INTERVAL), value_parser = parse_duration)]
     pub purge_interval: Duration,
+
+    /// Addresses of proxies in front of the gateway whose `X-Forwarded-For`,
+    /// `X-Forwarded-Host`, `X-Forwarded-Proto` and `Forwarded` (RFC 7239)
+    /// fields are trusted: kept and appended to. From any other peer those
+    /// fields are dropped and replaced by the gateway's own. A CIDR
+    /// (`10.0.0.0/8`, `fd00::/8`) or one address; repeat the flag or
+    /// separate them by commas. Default: none (every client's fields are
+    /// replaced).
+    #[arg(
+        long = "trusted-proxy",
+        env = "IDEM_TRUSTED_PROXIES",
+        value_name = "CIDR",
+        value_delimiter = ',',
+        value_parser = parse_trusted_proxy
+    )]
+    pub trusted_proxy: Vec<IpNet>,
 }
 
 impl GatewayArgs {
@@ -276,6 +293,7 @@ impl GatewayArgs {
         config.upstream_idle_timeout = self.upstream_idle_timeout;
         config.fail_open = self.fail_open;
         config.purge_interval = self.purge_interval;
+        config.trusted_proxies = self.trusted_proxy;
         config.validate()?;
         Ok(config)
     }
@@ -328,6 +346,11 @@ pub struct GatewayConfig {
     /// before it gives up on them (default [`DEFAULT_SHUTDOWN_GRACE`],
     /// 30 s). Not a flag.
     pub shutdown_grace: Duration,
+    /// Peers whose forwarding fields (`X-Forwarded-For`, `-Host`,
+    /// `-Proto`, `Forwarded`) are kept and appended to; from every other
+    /// peer they are replaced (`--trusted-proxy`, default none). An
+    /// IPv4-mapped IPv6 peer is matched as its IPv4 address.
+    pub trusted_proxies: Vec<IpNet>,
 }
 
 impl GatewayConfig {
@@ -344,6 +367,7 @@ impl GatewayConfig {
             fail_open: false,
             purge_interval: DEFAULT_PURGE_INTERVAL,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            trusted_proxies: Vec::new(),
         }
     }
 
@@ -657,6 +681,32 @@ pub fn parse_token_prefix(s: &str) -> Result<String, String> {
     Ok(t.to_owned())
 }
 
+/// Parses one `--trusted-proxy` entry: a CIDR (`10.0.0.0/8`,
+/// `2001:db8::/32`) or a single address (`192.0.2.7`, taken as `/32` or
+/// `/128`). Host bits are cleared (`10.1.2.3/8` is `10.0.0.0/8`).
+///
+/// ```
+/// assert_eq!(idem_gateway::parse_trusted_proxy(" 10.1.2.3/8 ").unwrap().to_string(), "10.0.0.0/8");
+/// assert_eq!(idem_gateway::parse_trusted_proxy("::1").unwrap().to_string(), "::1/128");
+/// assert!(idem_gateway::parse_trusted_proxy("10.0.0.0/33").is_err());
+/// assert!(idem_gateway::parse_trusted_proxy("proxy.internal").is_err());
+/// ```
+///
+/// # Errors
+/// A message for anything that is not an IP address or a CIDR.
+pub fn parse_trusted_proxy(s: &str) -> Result<IpNet, String> {
+    let t = s.trim();
+    if let Ok(net) = t.parse::<IpNet>() {
+        return Ok(net.trunc());
+    }
+    if let Ok(ip) = t.parse::<std::net::IpAddr>() {
+        return Ok(IpNet::from(ip.to_canonical()));
+    }
+    Err(format!(
+        "{t:?} is not an IP address or a CIDR such as 10.0.0.0/8 or fd00::/8 (host names are not accepted)"
+    ))
+}
+
 /// Parses and checks an upstream URL: `http://host[:port][/prefix]`, without
 /// user info, query or fragment.
 ///
@@ -739,6 +789,28 @@ mod tests {
         assert!(!c.fail_open);
         assert_eq!(c.layer.token_ttl, Duration::from_secs(3600));
         assert!(c.layer.require_token.is_empty());
+    }
+
+    #[test]
+    fn trusted_proxy_flag() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).map(|c| c.g.into_config().unwrap())
+        };
+        assert!(g(&[]).unwrap().trusted_proxies.is_empty());
+        let c = g(&[
+            "--trusted-proxy",
+            "10.0.0.0/8, 192.0.2.7",
+            "--trusted-proxy",
+            "fd00::/8",
+        ])
+        .unwrap();
+        let shown: Vec<String> = c.trusted_proxies.iter().map(ToString::to_string).collect();
+        assert_eq!(shown, ["10.0.0.0/8", "192.0.2.7/32", "fd00::/8"]);
+        for bad in ["", "10.0.0.0/40", "proxy", "10.0.0.1/x"] {
+            assert!(g(&["--trusted-proxy", bad]).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

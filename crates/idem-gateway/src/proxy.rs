@@ -17,7 +17,9 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use idem_http::{problem, BoxBody, BoxError, Disposition};
+use idem_http::{normalize_path, problem, BoxBody, BoxError, Disposition};
+use ipnet::IpNet;
+use std::borrow::Cow;
 use tower_http::timeout::{TimeoutBody, TimeoutError};
 
 /// Hop-by-hop fields (RFC 9110 §7.6.1) and their removal, shared with the
@@ -27,6 +29,74 @@ pub use idem_http::replay::{strip_hop_by_hop, HOP_BY_HOP};
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+/// Sets the forwarding fields of a request from `peer`, whose `Host` (or
+/// target authority) was `host`, over this plain-http hop:
+/// `X-Forwarded-For` (the peer appended), `X-Forwarded-Host` (the original
+/// host), `X-Forwarded-Proto: http`, and `Forwarded` (RFC 7239, an element
+/// `for=…;host="…";proto=http` appended).
+///
+/// From a `trusted` peer (a proxy of the operator's, `--trusted-proxy`)
+/// the fields it sent are kept: its `X-Forwarded-Host`/`-Proto` describe
+/// the original request and stay; the lists are appended to. From any other
+/// peer every one of these fields is dropped first, so a client cannot
+/// claim another address, host or scheme to the upstream.
+pub(crate) fn set_forwarding(
+    headers: &mut HeaderMap,
+    peer: IpAddr,
+    trusted: bool,
+    host: Option<&HeaderValue>,
+) {
+    if !trusted {
+        for name in [
+            &X_FORWARDED_FOR,
+            &X_FORWARDED_HOST,
+            &X_FORWARDED_PROTO,
+            &header::FORWARDED,
+        ] {
+            headers.remove(name);
+        }
+    }
+    let peer = peer.to_canonical();
+    append_forwarded_for(headers, peer);
+    if let Some(h) = host {
+        if !headers.contains_key(&X_FORWARDED_HOST) {
+            headers.insert(X_FORWARDED_HOST.clone(), h.clone());
+        }
+    }
+    if !headers.contains_key(&X_FORWARDED_PROTO) {
+        headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    }
+    append_forwarded(headers, peer, host);
+}
+
+/// Appends this hop's RFC 7239 element to `Forwarded`, joining earlier
+/// fields into one comma-separated list. The `for` node is an IPv4 address
+/// or a quoted bracketed IPv6 address (`for="[2001:db8::1]"`, §6); `host` is
+/// a quoted-string (a host with a port is not a token).
+fn append_forwarded(headers: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
+    let mut element = match peer {
+        IpAddr::V4(v4) => format!("for={v4}"),
+        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+    };
+    if let Some(h) = host.and_then(|h| h.to_str().ok()) {
+        if !h.contains(['"', '\\']) {
+            element.push_str(&format!(";host=\"{h}\""));
+        }
+    }
+    element.push_str(";proto=http");
+    let mut value: Vec<u8> = Vec::new();
+    for v in headers.get_all(header::FORWARDED) {
+        value.extend_from_slice(v.as_bytes());
+        value.extend_from_slice(b", ");
+    }
+    value.extend_from_slice(element.as_bytes());
+    let value = HeaderValue::from_bytes(&value)
+        .or_else(|_| HeaderValue::from_str(&element))
+        .unwrap_or_else(|_| HeaderValue::from_static("for=unknown"));
+    headers.remove(header::FORWARDED);
+    headers.insert(header::FORWARDED, value);
+}
 
 /// Appends `client` to `X-Forwarded-For`, joining earlier fields into one
 /// comma-separated list (`X-Forwarded-For: 203.0.113.7, 10.0.0.2`).
@@ -49,16 +119,23 @@ pub fn append_forwarded_for(headers: &mut HeaderMap, client: IpAddr) {
     headers.insert(X_FORWARDED_FOR.clone(), value);
 }
 
-/// The upstream's address split into the parts a request needs.
+/// The upstream's address split into the parts a request needs, and the
+/// peers whose forwarding fields are trusted.
 #[derive(Debug)]
 pub(crate) struct Upstream {
     authority: Authority,
     host: HeaderValue,
-    /// Path prefix without a trailing slash ("" for none).
+    /// Path prefix without a trailing slash ("" for none), normalised.
     prefix: String,
+    /// `--trusted-proxy`.
+    trusted: Vec<IpNet>,
 }
 
 impl Upstream {
+    /// # Errors
+    /// A message for a URI without a host, or whose path prefix is not a
+    /// normalised path ([`normalize_path`]: no `..`, `//`, `%2F`, …), since
+    /// the prefix is what no request may leave.
     pub(crate) fn new(uri: &Uri) -> Result<Self, String> {
         let authority = uri
             .authority()
@@ -67,17 +144,49 @@ impl Upstream {
         let host = HeaderValue::from_str(authority.as_str())
             .map_err(|_| format!("{uri}: the host is not a valid header value"))?;
         let prefix = uri.path().trim_end_matches('/').to_owned();
+        if !prefix.is_empty() {
+            match normalize_path(&prefix) {
+                Ok(Cow::Borrowed(_)) => {}
+                Ok(Cow::Owned(n)) => {
+                    return Err(format!(
+                        "{uri}: the path prefix {prefix:?} is not in normal form; write it as {n:?}"
+                    ))
+                }
+                Err(e) => return Err(format!("{uri}: the path prefix {prefix:?} is refused: {e}")),
+            }
+        }
         Ok(Self {
             authority,
             host,
             prefix,
+            trusted: Vec::new(),
         })
     }
 
+    /// The same upstream, trusting the forwarding fields of peers in
+    /// `trusted` (`--trusted-proxy`).
+    pub(crate) fn trusting(mut self, trusted: Vec<IpNet>) -> Self {
+        self.trusted = trusted;
+        self
+    }
+
+    /// Whether `peer` is a trusted proxy.
+    fn trusts(&self, peer: IpAddr) -> bool {
+        let peer = peer.to_canonical();
+        self.trusted.iter().any(|net| net.contains(&peer))
+    }
+
     /// The upstream URI for a request's target: prefix + path + query.
+    /// `None` unless the target is origin- or absolute-form with a path in
+    /// normal form ([`normalize_path`], as the gateway's entry makes it):
+    /// a path with dot segments or encoded slashes could leave the prefix
+    /// at an upstream that resolves them (`/api/../admin`).
     fn uri_for(&self, target: &Uri) -> Option<Uri> {
         let pq = target.path_and_query()?.as_str();
         if !pq.starts_with('/') {
+            return None;
+        }
+        if !matches!(normalize_path(target.path()), Ok(Cow::Borrowed(_))) {
             return None;
         }
         let pq: PathAndQuery = if self.prefix.is_empty() {
@@ -187,15 +296,8 @@ impl Proxy {
         strip_hop_by_hop(headers);
         // `Expect: 100-continue` was answered by this hop's server already.
         headers.remove(header::EXPECT);
-        append_forwarded_for(headers, self.peer.ip());
-        if let Some(h) = original_host {
-            if !headers.contains_key(&X_FORWARDED_HOST) {
-                headers.insert(X_FORWARDED_HOST.clone(), h);
-            }
-        }
-        if !headers.contains_key(&X_FORWARDED_PROTO) {
-            headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
-        }
+        let trusted = self.upstream.trusts(self.peer.ip());
+        set_forwarding(headers, self.peer.ip(), trusted, original_host.as_ref());
         headers.insert(header::HOST, self.upstream.host.clone());
         parts.uri = uri;
         parts.version = Version::HTTP_11;
@@ -208,6 +310,24 @@ impl Proxy {
         )
         .await;
         match sent {
+            Ok(Ok(resp)) if resp.status().is_informational() => {
+                // Only a 101 reaches here (hyper skips other 1xx). The
+                // gateway strips `Upgrade` from requests and does not
+                // proxy upgraded connections: the answer is unusable.
+                tracing::error!(%method, %path, status = resp.status().as_u16(), "the upstream switched protocols; upgrades are not proxied");
+                with_disposition(
+                    problem(
+                        StatusCode::BAD_GATEWAY,
+                        "upstream-protocol",
+                        format!(
+                            "the upstream answered {} (switching protocols); the gateway does not \
+                             proxy protocol upgrades, and nothing was stored",
+                            resp.status().as_u16()
+                        ),
+                    ),
+                    Disposition::Release,
+                )
+            }
             Ok(Ok(resp)) => {
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
@@ -400,6 +520,62 @@ mod tests {
             h["x-forwarded-for"],
             "203.0.113.7, 198.51.100.1, 192.0.2.9, 10.0.0.2"
         );
+    }
+
+    #[test]
+    fn forwarding_fields_of_untrusted_peers_are_replaced() {
+        let mut h = HeaderMap::new();
+        h.insert("x-forwarded-for", HeaderValue::from_static("203.0.113.7"));
+        h.insert("x-forwarded-host", HeaderValue::from_static("evil.test"));
+        h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        h.insert("forwarded", HeaderValue::from_static("for=203.0.113.7;proto=https"));
+        let host = HeaderValue::from_static("shop.test:8000");
+        let mut untrusted = h.clone();
+        set_forwarding(&mut untrusted, "10.0.0.2".parse().unwrap(), false, Some(&host));
+        assert_eq!(untrusted["x-forwarded-for"], "10.0.0.2");
+        assert_eq!(untrusted["x-forwarded-host"], "shop.test:8000");
+        assert_eq!(untrusted["x-forwarded-proto"], "http");
+        assert_eq!(
+            untrusted["forwarded"],
+            "for=10.0.0.2;host=\"shop.test:8000\";proto=http"
+        );
+        let mut trusted = h;
+        set_forwarding(&mut trusted, "::ffff:10.0.0.2".parse().unwrap(), true, Some(&host));
+        assert_eq!(trusted["x-forwarded-for"], "203.0.113.7, 10.0.0.2");
+        assert_eq!(trusted["x-forwarded-host"], "evil.test");
+        assert_eq!(trusted["x-forwarded-proto"], "https");
+        assert_eq!(
+            trusted["forwarded"],
+            "for=203.0.113.7;proto=https, for=10.0.0.2;host=\"shop.test:8000\";proto=http"
+        );
+        let mut v6 = HeaderMap::new();
+        set_forwarding(&mut v6, "2001:db8::1".parse().unwrap(), false, None);
+        assert_eq!(v6["forwarded"], "for=\"[2001:db8::1]\";proto=http");
+    }
+
+    #[test]
+    fn trust_is_by_cidr() {
+        let up = Upstream::new(&"http://127.0.0.1:9".parse().unwrap())
+            .unwrap()
+            .trusting(vec!["10.0.0.0/8".parse().unwrap(), "::1/128".parse().unwrap()]);
+        assert!(up.trusts("10.1.2.3".parse().unwrap()));
+        assert!(up.trusts("::ffff:10.1.2.3".parse().unwrap()));
+        assert!(up.trusts("::1".parse().unwrap()));
+        assert!(!up.trusts("11.0.0.1".parse().unwrap()));
+        assert!(!up.trusts("127.0.0.1".parse().unwrap()));
+    }
+
+    #[test]
+    fn the_prefix_cannot_be_left() {
+        let up = Upstream::new(&"http://127.0.0.1:9/api".parse().unwrap()).unwrap();
+        for escape in ["/../admin", "/a/../../admin", "/%2e%2e/admin", "//admin", "/..%2Fadmin"] {
+            assert!(up.uri_for(&escape.parse().unwrap()).is_none(), "{escape}");
+        }
+        let u = up.uri_for(&"/admin?x=/../y".parse().unwrap()).unwrap();
+        assert_eq!(u.to_string(), "http://127.0.0.1:9/api/admin?x=/../y");
+        for bad in ["http://h/api/../x", "http://h//api", "http://h/a%2Fb", "http://h/%61pi"] {
+            assert!(Upstream::new(&bad.parse().unwrap()).is_err(), "{bad}");
+        }
     }
 
     type Frames = futures::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, Infallible>>>;

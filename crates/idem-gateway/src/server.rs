@@ -17,7 +17,10 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use idem_core::token::IssueError;
 use idem_core::{DynStore, IdempotencyKey, Scope, StoreError};
-use idem_http::{problem, BoxBody, IdempotencyLayer, IdempotencyService, ScopeBy, TaskTracker};
+use idem_http::{
+    normalize_path, problem, BoxBody, IdempotencyLayer, IdempotencyService, ScopeBy, TaskTracker,
+};
+use std::borrow::Cow;
 use tokio::net::{TcpListener, TcpStream};
 use tower::Layer;
 
@@ -160,7 +163,7 @@ impl Gateway {
             recent.clone(),
         ));
         let upstream = Upstream::new(&config.upstream)
-            .map(Arc::new)
+            .map(|u| Arc::new(u.trusting(config.trusted_proxies.clone())))
             .map_err(|e| GatewayError::Config(ConfigError::Upstream(e)))?;
         let bind_error = |source| GatewayError::Bind {
             addr: config.listen,
@@ -488,15 +491,103 @@ impl tower_service::Service<Request<Incoming>> for Root {
         tower_service::Service::<Request<Incoming>>::poll_ready(&mut self.inner, cx)
     }
 
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    /// The entry of every request: checks `Host` (RFC 9112 §3.2), then
+    /// normalises the target's path once ([`idem_http::normalize_path`];
+    /// the query is kept as it is) and replaces it in the request, so the
+    /// `/_idem/` check, the layer's token routes and fingerprint, and the
+    /// path forwarded under the upstream's prefix all see one path. An
+    /// ambiguous path gets 400 `ambiguous-path`, whatever the method.
+    fn call(&mut self, mut req: Request<Incoming>) -> Self::Future {
+        if let Err(resp) = check_host(&req) {
+            return Box::pin(std::future::ready(Ok(resp)));
+        }
+        if req.uri().path().starts_with('/') {
+            match normalize_path(req.uri().path()) {
+                Ok(Cow::Borrowed(_)) => {}
+                Ok(Cow::Owned(path)) => match with_path(req.uri(), &path) {
+                    Some(uri) => *req.uri_mut() = uri,
+                    None => return Box::pin(std::future::ready(Ok(bad_target()))),
+                },
+                Err(e) => {
+                    tracing::debug!(path = %req.uri().path(), error = %e, "ambiguous request path refused");
+                    let resp = problem(
+                        StatusCode::BAD_REQUEST,
+                        "ambiguous-path",
+                        format!(
+                            "the request path is refused: {e}; servers read such a path in \
+                             different ways, so it is not forwarded"
+                        ),
+                    );
+                    return Box::pin(std::future::ready(Ok(resp)));
+                }
+            }
+        } else if req.method() != Method::CONNECT {
+            // `*` or an authority-form target (CONNECT gets its 405 from the proxy).
+            return Box::pin(std::future::ready(Ok(bad_target())));
+        }
         let path = req.uri().path();
-        if path.starts_with(RESERVED_PREFIX) || path == "/_idem" {
+        // Case-insensitive, so `/_IDEM/…` is not handed to an upstream
+        // whose router ignores case either.
+        let reserved = path
+            .get(..RESERVED_PREFIX.len())
+            .is_some_and(|p| p.eq_ignore_ascii_case(RESERVED_PREFIX))
+            || path.eq_ignore_ascii_case("/_idem");
+        if reserved {
             let store = self.store.clone();
             let kind = self.kind;
             let tokens = self.tokens.clone();
             return Box::pin(async move { Ok(internal(req, store, kind, &tokens).await) });
         }
         Box::pin(self.inner.call(req))
+    }
+}
+
+/// `uri` with `path` instead of its path, the query kept.
+fn with_path(uri: &http::Uri, path: &str) -> Option<http::Uri> {
+    let pq = match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_owned(),
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(pq.parse().ok()?);
+    http::Uri::from_parts(parts).ok()
+}
+
+/// 400 `bad-request-target`: `*` or an authority-form target.
+fn bad_target() -> Response<BoxBody> {
+    problem(
+        StatusCode::BAD_REQUEST,
+        "bad-request-target",
+        "the request target must be an origin-form path such as /orders?id=1",
+    )
+}
+
+/// RFC 9112 §3.2: an HTTP/1.1 request without `Host`, any request with
+/// more than one `Host` field, or with a `Host` that is not `host[:port]`
+/// → 400 `invalid-host` (HTTP/2 may carry the authority in `:authority`
+/// only). Two `Host` fields could name two hosts, and a proxy behind may
+/// take the other one.
+#[allow(clippy::result_large_err)]
+fn check_host<B>(req: &Request<B>) -> Result<(), Response<BoxBody>> {
+    let hosts = req.headers().get_all(header::HOST);
+    let refuse = |detail: &str| {
+        Err(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid-host",
+            format!("{detail} (RFC 9112, section 3.2)"),
+        ))
+    };
+    let mut it = hosts.iter();
+    match (it.next(), it.next()) {
+        (None, _) if req.version() == http::Version::HTTP_11 => {
+            refuse("an HTTP/1.1 request must carry a Host field")
+        }
+        (None, _) => Ok(()),
+        (Some(_), Some(_)) => refuse("the request has more than one Host field; send exactly one"),
+        (Some(h), None) => match http::uri::Authority::try_from(h.as_bytes()) {
+            Ok(a) if !a.as_str().contains('@') && !a.host().is_empty() => Ok(()),
+            _ => refuse("the Host field is not a valid host[:port]"),
+        },
     }
 }
 
