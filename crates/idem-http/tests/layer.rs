@@ -526,8 +526,8 @@ async fn replay_is_faithful_d1() {
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(
         first.header("x-seen-key"),
-        "\"d1\"",
-        "the key is forwarded unchanged"
+        "d1",
+        "the key is forwarded bare (issue 11: one key, one value to the service)"
     );
     assert!(first.headers.get("idempotent-replayed").is_none());
     // Committed before the answer left: no waiting needed.
