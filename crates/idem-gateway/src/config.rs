@@ -9,11 +9,11 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use http::{HeaderName, Method, Uri};
-pub use ipnet::IpNet;
 use idem_core::RedactedUrl;
 use idem_http::{
     Options, ScopeBy, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT, DEFAULT_TOKEN_TTL,
 };
+pub use ipnet::IpNet;
 
 use crate::store::StoreOptions;
 

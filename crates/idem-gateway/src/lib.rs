@@ -209,9 +209,8 @@ mod store;
 pub use config::{
     parse_duration, parse_method, parse_scope_header, parse_size, parse_token_prefix,
     parse_trusted_proxy, parse_upstream, show_duration, show_size, ConfigError, GatewayArgs,
-    GatewayConfig, IpNet,
-    DEFAULT_LISTEN, DEFAULT_PURGE_INTERVAL, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STORE,
-    DEFAULT_UPSTREAM_IDLE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
+    GatewayConfig, IpNet, DEFAULT_LISTEN, DEFAULT_PURGE_INTERVAL, DEFAULT_SHUTDOWN_GRACE,
+    DEFAULT_STORE, DEFAULT_UPSTREAM_IDLE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
 };
 /// The response field that marks an answer given without protection
 /// (`Idempotency-Status: unprotected`, see [Store outages](#store-outages)).

@@ -528,10 +528,18 @@ mod tests {
         h.insert("x-forwarded-for", HeaderValue::from_static("203.0.113.7"));
         h.insert("x-forwarded-host", HeaderValue::from_static("evil.test"));
         h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
-        h.insert("forwarded", HeaderValue::from_static("for=203.0.113.7;proto=https"));
+        h.insert(
+            "forwarded",
+            HeaderValue::from_static("for=203.0.113.7;proto=https"),
+        );
         let host = HeaderValue::from_static("shop.test:8000");
         let mut untrusted = h.clone();
-        set_forwarding(&mut untrusted, "10.0.0.2".parse().unwrap(), false, Some(&host));
+        set_forwarding(
+            &mut untrusted,
+            "10.0.0.2".parse().unwrap(),
+            false,
+            Some(&host),
+        );
         assert_eq!(untrusted["x-forwarded-for"], "10.0.0.2");
         assert_eq!(untrusted["x-forwarded-host"], "shop.test:8000");
         assert_eq!(untrusted["x-forwarded-proto"], "http");
@@ -540,7 +548,12 @@ mod tests {
             "for=10.0.0.2;host=\"shop.test:8000\";proto=http"
         );
         let mut trusted = h;
-        set_forwarding(&mut trusted, "::ffff:10.0.0.2".parse().unwrap(), true, Some(&host));
+        set_forwarding(
+            &mut trusted,
+            "::ffff:10.0.0.2".parse().unwrap(),
+            true,
+            Some(&host),
+        );
         assert_eq!(trusted["x-forwarded-for"], "203.0.113.7, 10.0.0.2");
         assert_eq!(trusted["x-forwarded-host"], "evil.test");
         assert_eq!(trusted["x-forwarded-proto"], "https");
@@ -557,7 +570,10 @@ mod tests {
     fn trust_is_by_cidr() {
         let up = Upstream::new(&"http://127.0.0.1:9".parse().unwrap())
             .unwrap()
-            .trusting(vec!["10.0.0.0/8".parse().unwrap(), "::1/128".parse().unwrap()]);
+            .trusting(vec![
+                "10.0.0.0/8".parse().unwrap(),
+                "::1/128".parse().unwrap(),
+            ]);
         assert!(up.trusts("10.1.2.3".parse().unwrap()));
         assert!(up.trusts("::ffff:10.1.2.3".parse().unwrap()));
         assert!(up.trusts("::1".parse().unwrap()));
@@ -568,12 +584,23 @@ mod tests {
     #[test]
     fn the_prefix_cannot_be_left() {
         let up = Upstream::new(&"http://127.0.0.1:9/api".parse().unwrap()).unwrap();
-        for escape in ["/../admin", "/a/../../admin", "/%2e%2e/admin", "//admin", "/..%2Fadmin"] {
+        for escape in [
+            "/../admin",
+            "/a/../../admin",
+            "/%2e%2e/admin",
+            "//admin",
+            "/..%2Fadmin",
+        ] {
             assert!(up.uri_for(&escape.parse().unwrap()).is_none(), "{escape}");
         }
         let u = up.uri_for(&"/admin?x=/../y".parse().unwrap()).unwrap();
         assert_eq!(u.to_string(), "http://127.0.0.1:9/api/admin?x=/../y");
-        for bad in ["http://h/api/../x", "http://h//api", "http://h/a%2Fb", "http://h/%61pi"] {
+        for bad in [
+            "http://h/api/../x",
+            "http://h//api",
+            "http://h/a%2Fb",
+            "http://h/%61pi",
+        ] {
             assert!(Upstream::new(&bad.parse().unwrap()).is_err(), "{bad}");
         }
     }

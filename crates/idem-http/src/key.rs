@@ -425,11 +425,17 @@ mod tests {
     fn bad_characters_are_named_as_they_are() {
         assert_eq!(
             key("ab\u{e9}".as_bytes()),
-            Err(KeyHeaderError::Invalid(KeyError::InvalidChar { at: 2, ch: '\u{e9}' }))
+            Err(KeyHeaderError::Invalid(KeyError::InvalidChar {
+                at: 2,
+                ch: '\u{e9}'
+            }))
         );
         assert_eq!(
             key("\"ab\u{e9}\"".as_bytes()),
-            Err(KeyHeaderError::Invalid(KeyError::InvalidChar { at: 3, ch: '\u{e9}' }))
+            Err(KeyHeaderError::Invalid(KeyError::InvalidChar {
+                at: 3,
+                ch: '\u{e9}'
+            }))
         );
         let e = key("pay-\u{e9}t\u{e9}".as_bytes()).unwrap_err().to_string();
         assert!(e.contains("'\u{e9}' at byte 4"), "{e}");
@@ -441,14 +447,20 @@ mod tests {
         assert!(key(b"ab\xff").unwrap_err().to_string().contains("0xFF"));
         assert_eq!(
             key(b"a\x7fb"),
-            Err(KeyHeaderError::Invalid(KeyError::InvalidChar { at: 1, ch: '\u{7f}' }))
+            Err(KeyHeaderError::Invalid(KeyError::InvalidChar {
+                at: 1,
+                ch: '\u{7f}'
+            }))
         );
     }
 
     #[test]
     fn quoted_keys_with_outer_spaces_are_refused() {
         for v in [&b"\" abc\""[..], b"\"abc \"", b"\" abc \";p=1"] {
-            assert!(matches!(key(v), Err(KeyHeaderError::BadString { .. })), "{v:?}");
+            assert!(
+                matches!(key(v), Err(KeyHeaderError::BadString { .. })),
+                "{v:?}"
+            );
         }
         assert_eq!(key(b"\"a b\"").unwrap(), "a b");
         assert_eq!(key(b"a b").unwrap(), "a b");

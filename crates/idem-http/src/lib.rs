@@ -114,11 +114,11 @@ pub use body::full;
 pub use future::ResponseFuture;
 pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED};
 pub use layer::IdempotencyLayer;
-pub use path::{normalize_path, PathError};
 pub use options::{
     FailOpenGuard, Options, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT,
     DEFAULT_TOKEN_TTL,
 };
+pub use path::{normalize_path, PathError};
 pub use policy::{default_policy, Disposition};
 pub use problem::{problem, Problem, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 pub use scope::ScopeBy;

@@ -148,7 +148,22 @@ fn is_unreserved(c: u8) -> bool {
 /// and `/`: sub-delims without `;`, `:` and `@` (RFC 3986 §3.3 `pchar`),
 /// and `%` starting an escape.
 fn is_kept_raw(c: u8) -> bool {
-    is_unreserved(c) || matches!(c, b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b',' | b'=' | b':' | b'@' | b'/')
+    is_unreserved(c)
+        || matches!(
+            c,
+            b'!' | b'$'
+                | b'&'
+                | b'\''
+                | b'('
+                | b')'
+                | b'*'
+                | b'+'
+                | b','
+                | b'='
+                | b':'
+                | b'@'
+                | b'/'
+        )
 }
 
 fn hex_val(c: u8) -> Option<u8> {
@@ -281,7 +296,16 @@ mod tests {
 
     #[test]
     fn normal_paths_are_borrowed() {
-        for p in ["/", "/pay", "/pay/1", "/a/", "/a:b@c!$&'()*+,=", "/%C3%A9", "/%25", "/%3B"] {
+        for p in [
+            "/",
+            "/pay",
+            "/pay/1",
+            "/a/",
+            "/a:b@c!$&'()*+,=",
+            "/%C3%A9",
+            "/%25",
+            "/%3B",
+        ] {
             assert!(
                 matches!(normalize_path(p), Ok(Cow::Borrowed(_))),
                 "{p}: {:?}",
@@ -382,7 +406,11 @@ mod tests {
         }
         assert!(!out.ends_with("/.") && !out.ends_with("/.."), "{out}");
         assert!(!out.contains(['\\', ';']), "{out}");
-        assert_eq!(normalize_path(out), Ok(Cow::Borrowed(out)), "not idempotent");
+        assert_eq!(
+            normalize_path(out),
+            Ok(Cow::Borrowed(out)),
+            "not idempotent"
+        );
     }
 
     proptest! {

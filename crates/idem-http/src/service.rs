@@ -22,8 +22,8 @@ use crate::key::{
     key_from_headers, key_header_value, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS,
     IDEMPOTENT_REPLAYED,
 };
-use crate::path::{normalize_path, PathError};
 use crate::options::{FailOpenGuard, Options};
+use crate::path::{normalize_path, PathError};
 use crate::policy::Disposition;
 use crate::problem::Problem;
 use crate::replay::{replay_response, to_stored};

@@ -82,7 +82,10 @@ async fn a_case_variant_of_a_guarded_method_is_refused() {
     let layer = IdempotencyLayer::new(MemoryStore::new());
     let log = Log::default();
     let ok = StatusCode::CREATED;
-    assert_eq!(call(&layer, &log, ok, "POST", "/pay", Some("m")).await.0, ok);
+    assert_eq!(
+        call(&layer, &log, ok, "POST", "/pay", Some("m")).await.0,
+        ok
+    );
     for m in ["post", "Post", "patch"] {
         let (status, body) = call(&layer, &log, ok, m, "/pay", Some("m")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{m}");
@@ -100,10 +103,26 @@ async fn the_inner_service_and_the_fingerprint_see_one_path() {
     let layer = IdempotencyLayer::new(MemoryStore::new());
     let log = Log::default();
     let ok = StatusCode::CREATED;
-    let (s, first) = call(&layer, &log, ok, "POST", "/pay//%70ay/./1?q=%2F..", Some("\"p\"")).await;
+    let (s, first) = call(
+        &layer,
+        &log,
+        ok,
+        "POST",
+        "/pay//%70ay/./1?q=%2F..",
+        Some("\"p\""),
+    )
+    .await;
     assert_eq!(s, ok);
     // The same request spelled otherwise is a replay, not a mismatch.
-    let (s, again) = call(&layer, &log, ok, "POST", "/x/../pay/pay/1?q=%2F..", Some("p")).await;
+    let (s, again) = call(
+        &layer,
+        &log,
+        ok,
+        "POST",
+        "/x/../pay/pay/1?q=%2F..",
+        Some("p"),
+    )
+    .await;
     assert_eq!((s, again), (ok, first));
     let seen = log.lock().unwrap().clone();
     assert_eq!(
@@ -126,7 +145,15 @@ async fn token_routes_and_ambiguous_paths() {
         assert_eq!(s, StatusCode::PRECONDITION_REQUIRED, "{path}");
         assert_eq!(kind(&body), "token-required", "{path}");
     }
-    for path in ["/pay%2F1", "/pay%5C1", "/pay\\1", "/pay%00", "/pay%zz", "/pay;a/1", "/pay%252F1"] {
+    for path in [
+        "/pay%2F1",
+        "/pay%5C1",
+        "/pay\\1",
+        "/pay%00",
+        "/pay%zz",
+        "/pay;a/1",
+        "/pay%252F1",
+    ] {
         let (s, body) = call(&layer, &log, ok, "POST", path, Some("k")).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{path}");
         assert_eq!(kind(&body), "ambiguous-path", "{path}");
@@ -139,7 +166,15 @@ async fn a_1xx_answer_is_never_stored() {
     let layer = IdempotencyLayer::new(MemoryStore::new());
     let log = Log::default();
     for round in 1..=2 {
-        let (s, body) = call(&layer, &log, StatusCode::SWITCHING_PROTOCOLS, "POST", "/ws", Some("u")).await;
+        let (s, body) = call(
+            &layer,
+            &log,
+            StatusCode::SWITCHING_PROTOCOLS,
+            "POST",
+            "/ws",
+            Some("u"),
+        )
+        .await;
         assert_eq!(s, StatusCode::BAD_GATEWAY, "round {round}");
         assert_eq!(kind(&body), "upstream-protocol");
         assert_eq!(log.lock().unwrap().len(), round, "the key was released");
