@@ -633,3 +633,48 @@ async fn control_characters_in_a_field_get_hypers_bare_400() {
     }
     assert!(up.seen().is_empty());
 }
+
+/// Item 2: an upstream prefix that is not one plain path, or a
+/// `--trusted-proxy` that is no CIDR, stops the gateway at start (exit 2,
+/// naming the flag).
+#[test]
+fn unusable_prefix_or_trusted_proxy_is_refused_at_start() {
+    for (args, flag) in [
+        (
+            vec!["--upstream", "http://127.0.0.1:1/api/../admin"],
+            "--upstream",
+        ),
+        (vec!["--upstream", "http://127.0.0.1:1/a%2Fb"], "--upstream"),
+        (
+            vec![
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--trusted-proxy",
+                "proxy.internal",
+            ],
+            "--trusted-proxy",
+        ),
+    ] {
+        let mut child = support::idem()
+            .arg("gateway")
+            .args(&args)
+            .args(["--store", "memory://", "--listen", "127.0.0.1:0"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Bounded: a gateway that accepted the setting would serve forever.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("{args:?}: the gateway started instead of refusing the setting");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+    }
+}

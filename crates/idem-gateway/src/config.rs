@@ -745,6 +745,20 @@ pub fn parse_upstream(s: &str) -> Result<Uri, String> {
     if uri.query().is_some() {
         return Err(format!("{t:?}: the upstream URL cannot have a query"));
     }
+    // The prefix is what no request may leave: it must be one plain path
+    // (no `..`, `//`, `%2F`, …; idem_http::normalize_path).
+    let prefix = uri.path().trim_end_matches('/');
+    if !prefix.is_empty() {
+        match idem_http::normalize_path(prefix) {
+            Ok(std::borrow::Cow::Borrowed(_)) => {}
+            Ok(std::borrow::Cow::Owned(n)) => {
+                return Err(format!(
+                    "{t:?}: the path prefix {prefix:?} is not in normal form; write it as {n:?}"
+                ))
+            }
+            Err(e) => return Err(format!("{t:?}: the path prefix {prefix:?} is refused: {e}")),
+        }
+    }
     Ok(uri)
 }
 
@@ -1021,6 +1035,9 @@ mod tests {
             vec!["--upstream", "not a url"],
             vec!["--upstream", "localhost:3000"],
             vec!["--upstream", "http://u:p@x:1"],
+            vec!["--upstream", "http://x:1/api/../admin"],
+            vec!["--upstream", "http://x:1//api"],
+            vec!["--upstream", "http://x:1/a%2Fb"],
             vec!["--upstream", "http://x:1", "--methods", "GET"],
             vec!["--upstream", "http://x:1", "--methods", "POST,,PATCH"],
             vec!["--upstream", "http://x:1", "--methods", "PO ST"],
