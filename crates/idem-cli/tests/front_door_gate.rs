@@ -15,7 +15,7 @@ fn refused(args: &[&str]) -> (Option<i32>, String) {
     let err = dir.path().join("stderr");
     let mut child = idem()
         .arg("gateway")
-        .args(["--listen", "127.0.0.1:0", "--store", "memory://"])
+        .args(["--listen", "127.0.0.1:0"])
         .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&err).unwrap())
@@ -54,7 +54,7 @@ fn leases_that_cannot_protect_anything_are_refused_at_start() {
         (&["--ttl", "500ms", "--lease", "1s"], "--ttl"),
     ];
     for (args, flag) in cases {
-        let mut all = vec!["--upstream", up];
+        let mut all = vec!["--upstream", up, "--store", "memory://"];
         all.extend_from_slice(args);
         let (code, stderr) = refused(&all);
         assert_eq!(code, Some(2), "{args:?}: {stderr}");
