@@ -709,3 +709,96 @@ impl<S: Store + Clone> Drop for ClaimGuard<S> {
         // itself when the lease ends.
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    #[test]
+    fn the_floor_is_checked_and_the_infallible_path_raises_to_it() {
+        for lease in [
+            Duration::ZERO,
+            Duration::from_nanos(1),
+            Duration::from_micros(999),
+            Duration::from_millis(999),
+        ] {
+            let c = EngineConfig {
+                lease,
+                ..EngineConfig::default()
+            };
+            assert_eq!(
+                c.validate(),
+                Err(EngineConfigError::LeaseTooShort {
+                    lease,
+                    min: MIN_LEASE
+                })
+            );
+            assert!(Engine::try_with_config(MemoryStore::new(), c.clone()).is_err());
+            assert_eq!(
+                Engine::with_config(MemoryStore::new(), c).config().lease,
+                MIN_LEASE
+            );
+        }
+        let c = EngineConfig {
+            lease: Duration::from_secs(10),
+            ttl: Duration::from_secs(5),
+            ..EngineConfig::default()
+        };
+        assert!(matches!(
+            c.validate(),
+            Err(EngineConfigError::TtlShorterThanLease { .. })
+        ));
+        let e = Engine::with_config(MemoryStore::new(), c);
+        assert_eq!(e.config().ttl, Duration::from_secs(10));
+        let ok = EngineConfig {
+            lease: MIN_LEASE,
+            ttl: MIN_LEASE,
+            ..EngineConfig::default()
+        };
+        assert!(Engine::try_with_config(MemoryStore::new(), ok).is_ok());
+    }
+
+    /// Issue 11 item 3: a 1 ns lease let concurrent duplicates run again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tiny_lease_does_not_let_concurrent_duplicates_run_again() {
+        let engine = Engine::with_config(
+            MemoryStore::new(),
+            EngineConfig {
+                lease: Duration::from_nanos(1),
+                watchdog: false,
+                ..EngineConfig::default()
+            },
+        );
+        let runs = Arc::new(AtomicUsize::new(0));
+        let key = IdempotencyKey::new("tiny-lease").unwrap();
+        let tasks: Vec<_> = (0..20)
+            .map(|i| {
+                let (engine, runs, key) = (engine.clone(), runs.clone(), key.clone());
+                tokio::spawn(async move {
+                    // Duplicates arriving over 100 ms, as retries do.
+                    tokio::time::sleep(Duration::from_millis(5 * i)).await;
+                    engine
+                        .execute(
+                            &Scope::anonymous(),
+                            &key,
+                            Fingerprint::of(b"charge"),
+                            |_| async move {
+                                runs.fetch_add(1, Ordering::SeqCst);
+                                tokio::time::sleep(Duration::from_millis(300)).await;
+                                ((), Action::Store(StoredResponse::new(201, "ok")))
+                            },
+                        )
+                        .await
+                        .unwrap();
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+}
