@@ -135,11 +135,10 @@ impl EngineConfig {
         Ok(())
     }
 
-    /// These settings with the lease raised to [`MIN_LEASE`] and the TTL
-    /// raised to the lease, when they were below.
+    /// These settings with the lease raised to [`MIN_LEASE`] when it was
+    /// below (the TTL is left as given).
     pub fn clamped(mut self) -> Self {
         self.lease = self.lease.max(MIN_LEASE);
-        self.ttl = self.ttl.max(self.lease);
         self
     }
 }
@@ -225,10 +224,11 @@ impl<S: Store + Clone> Engine<S> {
     }
 
     /// An engine with explicit settings, never refused: a lease below
-    /// [`MIN_LEASE`] (1 s) is raised to it and a TTL below the lease to the
-    /// lease ([`EngineConfig::clamped`]; a warning is logged once per
-    /// process), since a shorter lease voids the guarantee the engine exists
-    /// for. [`Engine::config`] shows the settings in force. Use
+    /// [`MIN_LEASE`] (1 s) is raised to it ([`EngineConfig::clamped`]; a
+    /// warning is logged once per process), since a shorter lease voids the
+    /// guarantee the engine exists for. A TTL shorter than the lease is
+    /// kept (a short-lived result is the caller's choice; the gateway
+    /// refuses it, [`EngineConfig::validate`] reports it). [`Engine::config`] shows the settings in force. Use
     /// [`Engine::try_with_config`] to have such settings refused instead.
     ///
     /// Why raise rather than refuse here: this constructor cannot fail, a
@@ -247,7 +247,7 @@ impl<S: Store + Clone> Engine<S> {
             static WARNED: std::sync::atomic::AtomicBool =
                 std::sync::atomic::AtomicBool::new(false);
             if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                tracing::warn!(error = %e, "engine settings raised to the minimum (lease at least 1 s, ttl at least the lease)");
+                tracing::warn!(error = %e, "engine settings outside the checked range; a lease below 1 s is raised to 1 s");
             }
         }
         Self {
@@ -752,7 +752,7 @@ mod tests {
             Err(EngineConfigError::TtlShorterThanLease { .. })
         ));
         let e = Engine::with_config(MemoryStore::new(), c);
-        assert_eq!(e.config().ttl, Duration::from_secs(10));
+        assert_eq!(e.config().ttl, Duration::from_secs(5), "the ttl is kept");
         let ok = EngineConfig {
             lease: MIN_LEASE,
             ttl: MIN_LEASE,

@@ -139,8 +139,7 @@ impl Options {
     /// Checks the settings the guarantee depends on: a lease of at least
     /// [`idem_core::MIN_LEASE`] (1 s) and a TTL not shorter than the lease
     /// ([`EngineConfig::validate`]). The layer never refuses to build: below
-    /// the floor its engine runs with the lease raised to 1 s (and the TTL to
-    /// the lease), see [`idem_core::Engine::with_config`]; call this to
+    /// the floor its engine runs with the lease raised to 1 s, see [`idem_core::Engine::with_config`]; call this to
     /// refuse such settings at startup instead.
     ///
     /// ```
