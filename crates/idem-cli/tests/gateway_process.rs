@@ -185,6 +185,9 @@ async fn b1_crash_after_the_claim_blocks_retries_only_for_the_lease() {
         &store,
         "--lease",
         "2s",
+        // The lease must be longer than the store timeout (5 s by default).
+        "--store-timeout",
+        "1s",
         "--ttl",
         "1h",
     ];
@@ -335,6 +338,7 @@ async fn environment_variables_configure_the_gateway() {
             .env("IDEM_LISTEN", "127.0.0.1:1")
             .env("IDEM_TTL", "1h")
             .env("IDEM_LEASE", "5s")
+            .env("IDEM_STORE_TIMEOUT", "2s")
             .env("IDEM_MAX_BODY", "16")
             .env("IDEM_RETENTION_LIMIT", "1KiB")
             .env("IDEM_UPSTREAM_TIMEOUT", "10s")

@@ -71,6 +71,78 @@ pub const DEFAULT_SAVE_WAIT: Duration = Duration::from_secs(2);
 /// [`EngineConfig::save_retry`]'s default: 10 min.
 pub const DEFAULT_SAVE_RETRY: Duration = Duration::from_secs(600);
 
+/// The shortest lease the engine runs with: 1 s.
+///
+/// A lease is measured on the store's clock from the moment the claim is
+/// written; a shorter one can end before the operation has even been
+/// called (a store round trip, a GC pause, a busy runtime), and then every
+/// duplicate takes the key over and runs again — 20 concurrent copies with
+/// a 1 ms lease ran 2 to 20 times. [`EngineConfig::validate`] and
+/// [`Engine::try_with_config`] refuse a shorter lease; [`Engine::with_config`]
+/// raises it to this floor.
+pub const MIN_LEASE: Duration = Duration::from_secs(1);
+
+/// Why an [`EngineConfig`] cannot keep its guarantee ([`EngineConfig::validate`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineConfigError {
+    /// The lease is shorter than [`MIN_LEASE`] (1 s).
+    #[error("the lease ({lease:?}) is shorter than the minimum of {min:?}: a claim could end before its operation runs, and duplicates would run again")]
+    LeaseTooShort {
+        /// The lease given.
+        lease: Duration,
+        /// [`MIN_LEASE`].
+        min: Duration,
+    },
+    /// The result TTL is shorter than the lease.
+    #[error("the ttl ({ttl:?}) is shorter than the lease ({lease:?}): a result would be forgotten while its key could still be in flight")]
+    TtlShorterThanLease {
+        /// The TTL given.
+        ttl: Duration,
+        /// The lease given.
+        lease: Duration,
+    },
+}
+
+impl EngineConfig {
+    /// Checks the settings that the at-most-once guarantee depends on: a
+    /// lease of at least [`MIN_LEASE`] (1 s) and a TTL not shorter than the
+    /// lease.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_core::{EngineConfig, EngineConfigError};
+    /// assert!(EngineConfig::default().validate().is_ok());
+    /// let short = EngineConfig { lease: Duration::from_millis(1), ..EngineConfig::default() };
+    /// assert!(matches!(short.validate(), Err(EngineConfigError::LeaseTooShort { .. })));
+    /// ```
+    ///
+    /// # Errors
+    /// [`EngineConfigError::LeaseTooShort`], [`EngineConfigError::TtlShorterThanLease`].
+    pub fn validate(&self) -> Result<(), EngineConfigError> {
+        if self.lease < MIN_LEASE {
+            return Err(EngineConfigError::LeaseTooShort {
+                lease: self.lease,
+                min: MIN_LEASE,
+            });
+        }
+        if self.ttl < self.lease {
+            return Err(EngineConfigError::TtlShorterThanLease {
+                ttl: self.ttl,
+                lease: self.lease,
+            });
+        }
+        Ok(())
+    }
+
+    /// These settings with the lease raised to [`MIN_LEASE`] when it was
+    /// below (the TTL is left as given).
+    pub fn clamped(mut self) -> Self {
+        self.lease = self.lease.max(MIN_LEASE);
+        self
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -151,9 +223,54 @@ impl<S: Store + Clone> Engine<S> {
         Self::with_config(store, EngineConfig::default())
     }
 
-    /// An engine with explicit settings.
+    /// An engine with explicit settings, never refused: a lease below
+    /// [`MIN_LEASE`] (1 s) is raised to it ([`EngineConfig::clamped`]; a
+    /// warning is logged once per process), since a shorter lease voids the
+    /// guarantee the engine exists for. A TTL shorter than the lease is
+    /// kept (a short-lived result is the caller's choice; the gateway
+    /// refuses it, [`EngineConfig::validate`] reports it). [`Engine::config`] shows the settings in force. Use
+    /// [`Engine::try_with_config`] to have such settings refused instead.
+    ///
+    /// Why raise rather than refuse here: this constructor cannot fail, a
+    /// panic would take a server down over a setting, and a lease given in
+    /// the wrong unit (`from_millis(30)` for 30 s) must not turn into
+    /// duplicate charges.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_core::{Engine, EngineConfig, MemoryStore, MIN_LEASE};
+    /// let cfg = EngineConfig { lease: Duration::from_millis(5), ..EngineConfig::default() };
+    /// assert_eq!(Engine::with_config(MemoryStore::new(), cfg).config().lease, MIN_LEASE);
+    /// ```
     pub fn with_config(store: S, config: EngineConfig) -> Self {
-        Self { store, config }
+        if let Err(e) = config.validate() {
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(error = %e, "engine settings outside the checked range; a lease below 1 s is raised to 1 s");
+            }
+        }
+        Self {
+            store,
+            config: config.clamped(),
+        }
+    }
+
+    /// An engine with explicit settings, checked ([`EngineConfig::validate`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_core::{Engine, EngineConfig, MemoryStore};
+    /// let cfg = EngineConfig { lease: Duration::from_nanos(1), ..EngineConfig::default() };
+    /// assert!(Engine::try_with_config(MemoryStore::new(), cfg).is_err());
+    /// ```
+    ///
+    /// # Errors
+    /// [`EngineConfigError`] for a lease under [`MIN_LEASE`] or a TTL
+    /// shorter than the lease.
+    pub fn try_with_config(store: S, config: EngineConfig) -> Result<Self, EngineConfigError> {
+        config.validate()?;
+        Ok(Self { store, config })
     }
 
     /// The store.
@@ -590,5 +707,98 @@ impl<S: Store + Clone> Drop for ClaimGuard<S> {
         }
         // Hold (or no runtime): the watchdog is stopped, so the key frees
         // itself when the lease ends.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    #[test]
+    fn the_floor_is_checked_and_the_infallible_path_raises_to_it() {
+        for lease in [
+            Duration::ZERO,
+            Duration::from_nanos(1),
+            Duration::from_micros(999),
+            Duration::from_millis(999),
+        ] {
+            let c = EngineConfig {
+                lease,
+                ..EngineConfig::default()
+            };
+            assert_eq!(
+                c.validate(),
+                Err(EngineConfigError::LeaseTooShort {
+                    lease,
+                    min: MIN_LEASE
+                })
+            );
+            assert!(Engine::try_with_config(MemoryStore::new(), c.clone()).is_err());
+            assert_eq!(
+                Engine::with_config(MemoryStore::new(), c).config().lease,
+                MIN_LEASE
+            );
+        }
+        let c = EngineConfig {
+            lease: Duration::from_secs(10),
+            ttl: Duration::from_secs(5),
+            ..EngineConfig::default()
+        };
+        assert!(matches!(
+            c.validate(),
+            Err(EngineConfigError::TtlShorterThanLease { .. })
+        ));
+        let e = Engine::with_config(MemoryStore::new(), c);
+        assert_eq!(e.config().ttl, Duration::from_secs(5), "the ttl is kept");
+        let ok = EngineConfig {
+            lease: MIN_LEASE,
+            ttl: MIN_LEASE,
+            ..EngineConfig::default()
+        };
+        assert!(Engine::try_with_config(MemoryStore::new(), ok).is_ok());
+    }
+
+    /// Issue 11 item 3: a 1 ns lease let concurrent duplicates run again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tiny_lease_does_not_let_concurrent_duplicates_run_again() {
+        let engine = Engine::with_config(
+            MemoryStore::new(),
+            EngineConfig {
+                lease: Duration::from_nanos(1),
+                watchdog: false,
+                ..EngineConfig::default()
+            },
+        );
+        let runs = Arc::new(AtomicUsize::new(0));
+        let key = IdempotencyKey::new("tiny-lease").unwrap();
+        let tasks: Vec<_> = (0..20)
+            .map(|i| {
+                let (engine, runs, key) = (engine.clone(), runs.clone(), key.clone());
+                tokio::spawn(async move {
+                    // Duplicates arriving over 100 ms, as retries do.
+                    tokio::time::sleep(Duration::from_millis(5 * i)).await;
+                    engine
+                        .execute(
+                            &Scope::anonymous(),
+                            &key,
+                            Fingerprint::of(b"charge"),
+                            |_| async move {
+                                runs.fetch_add(1, Ordering::SeqCst);
+                                tokio::time::sleep(Duration::from_millis(300)).await;
+                                ((), Action::Store(StoredResponse::new(201, "ok")))
+                            },
+                        )
+                        .await
+                        .unwrap();
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 }

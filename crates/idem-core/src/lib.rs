@@ -33,9 +33,9 @@ pub mod url;
 
 pub use clock::{duration_ms, Clock, ManualClock, Millis, SharedClock, SystemClock};
 pub use engine::{
-    Action, Engine, EngineConfig, Once, OnceError, Outcome, Saved, DEFAULT_LEASE,
-    DEFAULT_ON_CANCEL, DEFAULT_SAVE_RETRY, DEFAULT_SAVE_WAIT, DEFAULT_TTL, DEFAULT_WAIT,
-    DEFAULT_WATCHDOG,
+    Action, Engine, EngineConfig, EngineConfigError, Once, OnceError, Outcome, Saved,
+    DEFAULT_LEASE, DEFAULT_ON_CANCEL, DEFAULT_SAVE_RETRY, DEFAULT_SAVE_WAIT, DEFAULT_TTL,
+    DEFAULT_WAIT, DEFAULT_WATCHDOG, MIN_LEASE,
 };
 pub use error::{BoxError, KeyError, Phase, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};

@@ -10,8 +10,10 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, Uri};
 use idem_core::RedactedUrl;
+use idem_core::MIN_LEASE;
 use idem_http::{
-    Options, ScopeBy, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT, DEFAULT_TOKEN_TTL,
+    Options, ScopeBy, DEFAULT_MAX_BODY, DEFAULT_MAX_LIVE_TOKENS, DEFAULT_METHODS,
+    DEFAULT_RETENTION_LIMIT, DEFAULT_TOKENS_PER_SCOPE, DEFAULT_TOKEN_TTL,
 };
 pub use ipnet::IpNet;
 
@@ -92,8 +94,9 @@ pub struct GatewayArgs {
     pub ttl: Duration,
 
     /// How long a claim holds before another request may take the key over
-    /// (renewed while the upstream call runs). Must be above 0 and not longer
-    /// than the TTL.
+    /// (renewed while the upstream call runs). At least 1s
+    /// (`idem_core::MIN_LEASE`), longer than `--store-timeout`, and not
+    /// longer than the TTL.
     #[arg(long, env = "IDEM_LEASE", value_name = "DURATION", default_value = show_duration(Options::default().lease), value_parser = parse_duration)]
     pub lease: Duration,
 
@@ -217,6 +220,44 @@ pub struct GatewayArgs {
     )]
     pub require_token: Vec<String>,
 
+    /// Serve `POST /_idem/tokens` even without a `--require-token` route
+    /// (e.g. for tokens the upstream checks itself). Without either the
+    /// endpoint answers 404. The variable takes true/false, yes/no, on/off,
+    /// 1/0.
+    #[arg(
+        long,
+        env = "IDEM_ISSUE_TOKENS",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub issue_tokens: bool,
+
+    /// Issue submit tokens to callers that send none of the `--scope-header`
+    /// headers (default: 400 `scope-required`). They all share one
+    /// anonymous scope, and so one `--tokens-per-scope` budget. The variable
+    /// takes true/false, yes/no, on/off, 1/0.
+    #[arg(
+        long,
+        env = "IDEM_ANONYMOUS_TOKENS",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub anonymous_tokens: bool,
+
+    /// Most live submit tokens (issued, not yet used, not expired) per
+    /// caller scope; beyond it `POST /_idem/tokens` answers 429
+    /// `too-many-tokens` with `Retry-After`. Counted per gateway instance.
+    /// Above 0.
+    #[arg(long, env = "IDEM_TOKENS_PER_SCOPE", value_name = "N", default_value_t = DEFAULT_TOKENS_PER_SCOPE)]
+    pub tokens_per_scope: usize,
+
+    /// Most live submit tokens in all, per gateway instance (each is a
+    /// record in the store until used or expired); beyond it 429
+    /// `too-many-tokens`. With `memory://` at most half its
+    /// `idem_max_records`, so tokens cannot crowd out results. Above 0.
+    #[arg(long, env = "IDEM_MAX_LIVE_TOKENS", value_name = "N", default_value_t = DEFAULT_MAX_LIVE_TOKENS)]
+    pub max_live_tokens: usize,
+
     /// How often the gateway deletes expired records (completed ones past
     /// `--ttl`, claims past their lease) from the store, in the background;
     /// the first purge runs one interval after startup. Expired records are
@@ -287,8 +328,12 @@ impl GatewayArgs {
             require_token,
             // A result must outlive its token: the token TTL is capped at the TTL.
             token_ttl: self.token_ttl.min(self.ttl),
+            anonymous_tokens: self.anonymous_tokens,
+            tokens_per_scope: self.tokens_per_scope,
+            max_live_tokens: self.max_live_tokens,
             ..config.layer
         };
+        config.issue_tokens = self.issue_tokens;
         config.upstream_timeout = self.upstream_timeout;
         config.upstream_idle_timeout = self.upstream_idle_timeout;
         config.fail_open = self.fail_open;
@@ -351,6 +396,9 @@ pub struct GatewayConfig {
     /// peer they are replaced (`--trusted-proxy`, default none). An
     /// IPv4-mapped IPv6 peer is matched as its IPv4 address.
     pub trusted_proxies: Vec<IpNet>,
+    /// Serve `POST /_idem/tokens` even when `layer.require_token` is empty
+    /// (default false; `--issue-tokens`). See [`GatewayConfig::tokens_served`].
+    pub issue_tokens: bool,
 }
 
 impl GatewayConfig {
@@ -368,7 +416,14 @@ impl GatewayConfig {
             purge_interval: DEFAULT_PURGE_INTERVAL,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             trusted_proxies: Vec::new(),
+            issue_tokens: false,
         }
+    }
+
+    /// Whether `POST /_idem/tokens` is served: with a `--require-token`
+    /// route or `--issue-tokens`; otherwise it answers 404.
+    pub fn tokens_served(&self) -> bool {
+        self.issue_tokens || !self.layer.require_token.is_empty()
     }
 
     /// Checks the settings together.
@@ -378,13 +433,19 @@ impl GatewayConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let layer = &self.layer;
         parse_upstream(&self.upstream.to_string()).map_err(ConfigError::Upstream)?;
-        if layer.lease.is_zero() {
-            return Err(ConfigError::ZeroLease);
+        if layer.lease < MIN_LEASE {
+            return Err(ConfigError::LeaseTooShort { lease: layer.lease });
         }
         if layer.ttl < layer.lease {
             return Err(ConfigError::TtlShorterThanLease {
                 ttl: layer.ttl,
                 lease: layer.lease,
+            });
+        }
+        if !self.store_options.timeout.is_zero() && layer.lease <= self.store_options.timeout {
+            return Err(ConfigError::LeaseNotAboveStoreTimeout {
+                lease: layer.lease,
+                store_timeout: self.store_options.timeout,
             });
         }
         if self.upstream_timeout.is_zero() {
@@ -410,6 +471,22 @@ impl GatewayConfig {
         }
         if layer.token_ttl.is_zero() {
             return Err(ConfigError::Zero("--token-ttl"));
+        }
+        if layer.tokens_per_scope == 0 {
+            return Err(ConfigError::Zero("--tokens-per-scope"));
+        }
+        if layer.max_live_tokens == 0 {
+            return Err(ConfigError::Zero("--max-live-tokens"));
+        }
+        if self.tokens_served() {
+            if let Some(records) = crate::store::memory_max_records(self.store.expose()) {
+                if layer.max_live_tokens > records / 2 {
+                    return Err(ConfigError::TokensCrowdOutResults {
+                        max_live_tokens: layer.max_live_tokens,
+                        max_records: records,
+                    });
+                }
+            }
         }
         for prefix in &layer.require_token {
             parse_token_prefix(prefix).map_err(ConfigError::RequireToken)?;
@@ -489,9 +566,47 @@ pub(crate) fn show_scope(scope: &ScopeBy) -> String {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// `--lease 0`.
-    #[error("--lease must be longer than 0")]
-    ZeroLease,
+    /// `--lease` below [`idem_core::MIN_LEASE`] (1 s): a claim could end
+    /// before the upstream is even called, and duplicates would run again.
+    #[error(
+        "--lease ({}) must be at least {} (idem_core::MIN_LEASE): a shorter claim can end \
+         before the upstream call starts, and duplicates of the request would run again",
+        humantime::format_duration(*lease),
+        humantime::format_duration(MIN_LEASE)
+    )]
+    LeaseTooShort {
+        /// The lease given.
+        lease: Duration,
+    },
+    /// `--lease` not longer than `--store-timeout`: one slow store call
+    /// (the claim or a renewal) could outlast the whole lease.
+    #[error(
+        "--lease ({}) must be longer than --store-timeout ({}): one slow store call could \
+         outlast the claim, and a duplicate would run again; raise --lease or lower \
+         --store-timeout",
+        humantime::format_duration(*lease),
+        humantime::format_duration(*store_timeout)
+    )]
+    LeaseNotAboveStoreTimeout {
+        /// The lease given.
+        lease: Duration,
+        /// The store timeout given.
+        store_timeout: Duration,
+    },
+    /// `--max-live-tokens` above half the memory store's record cap: a
+    /// flood of submit tokens could fill the store, and every guarded
+    /// request would get 503 `store-full`.
+    #[error(
+        "--max-live-tokens ({max_live_tokens}) must be at most half of the memory store's \
+         idem_max_records ({max_records}), so that submit tokens cannot fill the store \
+         that holds the results"
+    )]
+    TokensCrowdOutResults {
+        /// The token cap given.
+        max_live_tokens: usize,
+        /// The memory store's record cap.
+        max_records: usize,
+    },
     /// The TTL ends before the lease: a result would be forgotten while its
     /// key could still be in flight.
     #[error(
@@ -908,6 +1023,102 @@ mod tests {
     }
 
     #[test]
+    fn leases_that_void_the_guarantee_are_refused() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        for lease in ["1ns", "999us", "1ms", "999ms"] {
+            let e = g(&["--lease", lease]).unwrap_err();
+            assert!(
+                matches!(e, ConfigError::LeaseTooShort { .. }),
+                "{lease}: {e}"
+            );
+            assert!(e.to_string().starts_with("--lease ("), "{e}");
+        }
+        let e = g(&["--lease", "1s", "--store-timeout", "1s"]).unwrap_err();
+        assert!(
+            matches!(e, ConfigError::LeaseNotAboveStoreTimeout { .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("--store-timeout (1s)"), "{e}");
+        assert!(matches!(
+            g(&["--lease", "5s"]),
+            Err(ConfigError::LeaseNotAboveStoreTimeout { .. })
+        ));
+        let e = g(&["--ttl", "500ms", "--lease", "1s"]).unwrap_err();
+        assert!(e.to_string().starts_with("--ttl (500ms)"), "{e}");
+        let ok = g(&["--lease", "1s", "--store-timeout", "999ms"]).unwrap();
+        assert_eq!(ok.layer.lease, MIN_LEASE);
+        assert!(ok.layer.validate().is_ok());
+    }
+
+    #[test]
+    fn token_budget_flags() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        let d = g(&["--store", "memory://"]).unwrap();
+        assert!(!d.issue_tokens && !d.tokens_served());
+        assert!(!d.layer.anonymous_tokens);
+        assert_eq!(d.layer.tokens_per_scope, 100);
+        assert_eq!(d.layer.max_live_tokens, 100_000);
+        let c = g(&[
+            "--store",
+            "memory://",
+            "--issue-tokens",
+            "--anonymous-tokens",
+            "--tokens-per-scope",
+            "7",
+            "--max-live-tokens",
+            "70",
+        ])
+        .unwrap();
+        assert!(c.issue_tokens && c.tokens_served() && c.layer.anonymous_tokens);
+        assert_eq!((c.layer.tokens_per_scope, c.layer.max_live_tokens), (7, 70));
+        assert!(g(&["--store", "memory://", "--require-token", "/pay"])
+            .unwrap()
+            .tokens_served());
+        for (flag, name) in [
+            ("--tokens-per-scope", "--tokens-per-scope"),
+            ("--max-live-tokens", "--max-live-tokens"),
+        ] {
+            assert!(matches!(
+                g(&["--store", "memory://", flag, "0"]),
+                Err(ConfigError::Zero(n)) if n == name
+            ));
+        }
+        // Tokens may take at most half of a memory store's records.
+        let small = "memory://?idem_max_records=100";
+        let e = g(&["--store", small, "--issue-tokens"]).unwrap_err();
+        assert!(
+            matches!(e, ConfigError::TokensCrowdOutResults { .. }),
+            "{e}"
+        );
+        assert!(e.to_string().starts_with("--max-live-tokens"), "{e}");
+        assert!(g(&[
+            "--store",
+            small,
+            "--issue-tokens",
+            "--max-live-tokens",
+            "50"
+        ])
+        .is_ok());
+        assert!(g(&[
+            "--store",
+            small,
+            "--max-live-tokens",
+            "51",
+            "--issue-tokens"
+        ])
+        .is_err());
+        assert!(g(&["--store", small]).is_ok(), "no tokens served, no check");
+    }
+
+    #[test]
     fn scope_headers_are_repeatable_and_comma_separated() {
         let g = |extra: &[&str]| {
             let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
@@ -1059,12 +1270,15 @@ mod tests {
             a.extend_from_slice(extra);
             parse(&a).unwrap().g.into_config()
         };
-        assert!(matches!(g(&["--lease", "0"]), Err(ConfigError::ZeroLease)));
+        assert!(matches!(
+            g(&["--lease", "0"]),
+            Err(ConfigError::LeaseTooShort { .. })
+        ));
         assert!(matches!(
             g(&["--lease", "10s", "--ttl", "5s"]),
             Err(ConfigError::TtlShorterThanLease { .. })
         ));
-        assert!(g(&["--lease", "1s", "--ttl", "1s"]).is_ok());
+        assert!(g(&["--lease", "1s", "--ttl", "1s", "--store-timeout", "500ms"]).is_ok());
         assert!(matches!(
             g(&["--upstream-timeout", "0"]),
             Err(ConfigError::Zero(_))

@@ -41,7 +41,7 @@
 //! | `--store-timeout DURATION` | `IDEM_STORE_TIMEOUT` | `5s` | longest store call (pool wait included), and the connect timeout at startup; > 0 |
 //! | `--fail-open` | `IDEM_FAIL_OPEN` | off | **dangerous**: forward unprotected when the store is down at `begin` (see [Store outages](#store-outages)) |
 //! | `--ttl` | `IDEM_TTL` | `24h` | replay window |
-//! | `--lease` | `IDEM_LEASE` | `30s` | claim lease, renewed while the call runs; > 0 and ≤ ttl |
+//! | `--lease` | `IDEM_LEASE` | `30s` | claim lease, renewed while the call runs; at least 1 s ([`idem_core::MIN_LEASE`]), longer than `--store-timeout`, ≤ ttl |
 //! | `--methods` | `IDEM_METHODS` | `POST,PATCH` | guarded methods |
 //! | `--require-key` | `IDEM_REQUIRE_KEY` | off | 400 for a guarded request without key |
 //! | `--max-body` | `IDEM_MAX_BODY` | `10MiB` | largest guarded request body (bytes; `10MiB`, `1MB` accepted) |
@@ -51,7 +51,11 @@
 //! | `--wait` | `IDEM_WAIT` | `0` | how long a duplicate waits for the original (0: 409 at once) |
 //! | `--scope-header NAME` | `IDEM_SCOPE_HEADER` | `authorization` | headers whose values scope a key (SHA-256 over them); repeatable, comma-separated |
 //! | `--token-ttl DURATION` | `IDEM_TOKEN_TTL` | `1h` | how long a submit token from `POST /_idem/tokens` may be used for a first submit; > 0, capped at `--ttl` |
-//! | `--require-token PATH_PREFIX` | `IDEM_REQUIRE_TOKEN` | none | guarded requests under this path prefix need a live submit token as their key (428 without one, 403 `token-unknown` for an unknown or expired one); repeatable, comma-separated |
+//! | `--require-token PATH_PREFIX` | `IDEM_REQUIRE_TOKEN` | none | guarded requests under this path prefix need a live submit token as their key (428 without one, 403 `token-unknown` for an unknown or expired one); repeatable, comma-separated; turns `POST /_idem/tokens` on |
+//! | `--issue-tokens` | `IDEM_ISSUE_TOKENS` | off | serve `POST /_idem/tokens` without a `--require-token` route (otherwise 404) |
+//! | `--anonymous-tokens` | `IDEM_ANONYMOUS_TOKENS` | off | issue tokens to callers without any `--scope-header` (otherwise 400 `scope-required`); they share one scope |
+//! | `--tokens-per-scope N` | `IDEM_TOKENS_PER_SCOPE` | `100` | most live (unused, unexpired) tokens per caller scope, per instance; 429 `too-many-tokens` + `Retry-After` beyond; > 0 |
+//! | `--max-live-tokens N` | `IDEM_MAX_LIVE_TOKENS` | `100000` | most live tokens in all, per instance (each is a store record); 429 beyond; > 0, with `memory://` at most half its `idem_max_records` |
 //! | `--purge-interval DURATION` | `IDEM_PURGE_INTERVAL` | `1m` | how often expired records are deleted from the store (the first purge one interval after start); an expired record is never replayed, purged or not; > 0 |
 //!
 //! ## Stores
@@ -169,11 +173,15 @@
 //! Paths under `/_idem/` are answered by the gateway and never proxied:
 //! `GET /_idem/health` → `200 {"status":"ok","store":"sqlite"}` after a
 //! read from the store (a `503` problem when the store fails);
-//! `POST /_idem/tokens` → `201` `{"token":"tok_…","expires_in":3600}`
-//! (`application/json`; `expires_in` in whole seconds): a submit token for
-//! the caller's scope (the scope the layer derives from the
-//! `--scope-header` fields), a `503` problem when the store fails; any
-//! other `/_idem/*` path → `404` problem.
+//! `POST /_idem/tokens` (only with a `--require-token` route or
+//! `--issue-tokens`; otherwise `404`) → `201`
+//! `{"token":"tok_…","expires_in":3600}` (`application/json`;
+//! `expires_in` in whole seconds): a submit token for the caller's scope
+//! (the scope the layer derives from the `--scope-header` fields); `400`
+//! `scope-required` without any of those fields (unless
+//! `--anonymous-tokens`), `429` `too-many-tokens` with `Retry-After` past
+//! `--tokens-per-scope` or `--max-live-tokens`, a `503` problem when the
+//! store fails; any other `/_idem/*` path → `404` problem.
 //!
 //! ## Submit tokens
 //!
@@ -187,6 +195,13 @@
 //! `--token-ttl` passed before its first use, gets 403 `token-unknown`. The
 //! upstream is not called in either case. `--fail-open` never applies to
 //! these routes: a token cannot be checked without the store.
+//!
+//! Every token is a store record until it is used or expires, so issuing
+//! is budgeted: per caller scope (`--tokens-per-scope`, 100) and in all
+//! (`--max-live-tokens`, 100,000), counted by each gateway instance for the
+//! tokens it issued (N instances: up to N × the cap in the store). A token
+//! stops counting when a submit stores its result (or finds it used) or
+//! when its `--token-ttl` ends.
 //!
 //! ## Shutdown and housekeeping
 //!

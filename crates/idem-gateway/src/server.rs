@@ -19,6 +19,7 @@ use idem_core::token::IssueError;
 use idem_core::{DynStore, IdempotencyKey, Scope, StoreError};
 use idem_http::{
     normalize_path, problem, BoxBody, IdempotencyLayer, IdempotencyService, ScopeBy, TaskTracker,
+    TokenCap, TokenIssueError,
 };
 use std::borrow::Cow;
 use tokio::net::{TcpListener, TcpStream};
@@ -262,6 +263,10 @@ fn log_startup(config: &GatewayConfig, kind: &'static str, local_addr: SocketAdd
         scope = %scope,
         token_ttl = %humantime::format_duration(layer.token_ttl),
         require_token = %layer.require_token.join(","),
+        tokens_served = config.tokens_served(),
+        anonymous_tokens = layer.anonymous_tokens,
+        tokens_per_scope = layer.tokens_per_scope,
+        max_live_tokens = layer.max_live_tokens,
         purge_interval = %humantime::format_duration(config.purge_interval),
         "idem gateway listening"
     );
@@ -287,7 +292,7 @@ struct Routes {
     /// guard when `fail_open` is on).
     layer: IdempotencyLayer,
     /// The same layer, shared, for `POST /_idem/tokens`.
-    tokens: Arc<IdempotencyLayer>,
+    tokens: Arc<TokenEndpoint>,
     client: UpstreamClient,
     upstream: Arc<Upstream>,
     upstream_timeout: Duration,
@@ -309,7 +314,10 @@ impl Routes {
         }
         let layer = IdempotencyLayer::from_parts(store.clone(), options);
         Self {
-            tokens: Arc::new(layer.clone()),
+            tokens: Arc::new(TokenEndpoint {
+                layer: layer.clone(),
+                served: config.tokens_served(),
+            }),
             layer,
             client: proxy::client(config.upstream_timeout, config.upstream_idle_timeout),
             upstream,
@@ -477,7 +485,15 @@ struct Root {
     kind: &'static str,
     /// The layer, for `POST /_idem/tokens` (issuing in the scope the layer
     /// derives).
-    tokens: Arc<IdempotencyLayer>,
+    tokens: Arc<TokenEndpoint>,
+}
+
+/// `POST /_idem/tokens`: the layer that issues (sharing the guarded
+/// layer's token budget), and whether the endpoint is on
+/// ([`GatewayConfig::tokens_served`]).
+struct TokenEndpoint {
+    layer: IdempotencyLayer,
+    served: bool,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -596,10 +612,18 @@ async fn internal(
     req: Request<Incoming>,
     store: DynStore,
     kind: &'static str,
-    tokens: &IdempotencyLayer,
+    tokens: &TokenEndpoint,
 ) -> Response<BoxBody> {
     if req.uri().path() == TOKENS_PATH {
-        return issue_token(&req, tokens).await;
+        if !tokens.served {
+            return problem(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                "submit tokens are off: the gateway issues them only with a --require-token \
+                 route or --issue-tokens",
+            );
+        }
+        return issue_token(&req, &tokens.layer).await;
     }
     if req.uri().path() != "/_idem/health" {
         return problem(
@@ -631,7 +655,10 @@ async fn internal(
 const TOKENS_PATH: &str = "/_idem/tokens";
 
 /// `POST /_idem/tokens`: a submit token for the caller's scope →
-/// 201 `{"token": "tok_…", "expires_in": seconds}`.
+/// 201 `{"token": "tok_…", "expires_in": seconds}`; 400 `scope-required`
+/// without the scope headers (unless `--anonymous-tokens`), 429
+/// `too-many-tokens` with `Retry-After` beyond `--tokens-per-scope` or
+/// `--max-live-tokens`, 503 when the store fails.
 async fn issue_token(req: &Request<Incoming>, layer: &IdempotencyLayer) -> Response<BoxBody> {
     if req.method() != Method::POST {
         return method_not_allowed("/_idem/tokens answers POST", "POST");
@@ -644,7 +671,36 @@ async fn issue_token(req: &Request<Incoming>, layer: &IdempotencyLayer) -> Respo
                 "expires_in": issued.expires_in_secs(),
             }),
         ),
-        Err(IssueError::Store(e)) => {
+        Err(TokenIssueError::ScopeRequired) => problem(
+            StatusCode::BAD_REQUEST,
+            "scope-required",
+            format!(
+                "a submit token is issued to a caller: send the header that identifies you \
+                 ({}); this gateway issues no anonymous tokens",
+                show_scope(&layer.options().scope)
+            ),
+        ),
+        Err(TokenIssueError::TooMany { cap, retry_after }) => {
+            let detail = match cap {
+                TokenCap::PerScope(n) => format!(
+                    "you hold {n} live submit tokens, the most this gateway issues to one \
+                     caller; use one, or retry when the oldest expires"
+                ),
+                TokenCap::Total(n) => format!(
+                    "this gateway holds {n} live submit tokens, the most it issues in all; \
+                     retry later"
+                ),
+                _ => "too many live submit tokens; retry later".to_owned(),
+            };
+            tracing::debug!(?cap, "submit token refused: cap reached");
+            let mut resp = problem(StatusCode::TOO_MANY_REQUESTS, "too-many-tokens", detail);
+            resp.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after.as_secs()),
+            );
+            resp
+        }
+        Err(TokenIssueError::Issue(IssueError::Store(e))) => {
             tracing::warn!(error = %error_chain(&e), "issuing a submit token failed");
             let kind = if matches!(e, StoreError::Full { .. }) {
                 "store-full"

@@ -3,7 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{DynStore, MemoryStore, RedactedUrl, StoreError};
+use idem_core::url::Param;
+use idem_core::{DynStore, MemoryLimits, MemoryStore, RedactedUrl, StoreError};
 
 /// Every URL form the gateway accepts, for error messages.
 pub(crate) const SUPPORTED: &str = "memory://, sqlite://relative/path.db, \
@@ -39,10 +40,11 @@ impl StoreKind {
             )));
         };
         Ok(match scheme.to_ascii_lowercase().as_str() {
-            "memory" if rest.is_empty() => Self::Memory,
+            "memory" if rest.is_empty() || rest.starts_with('?') => Self::Memory,
             "memory" => {
                 return Err(StoreError::Config(format!(
-                    "store URL {shown:?}: memory:// takes nothing after the scheme"
+                    "store URL {shown:?}: memory:// takes nothing after the scheme but \
+                     ?idem_max_records=N"
                 )))
             }
             "sqlite" => Self::Sqlite,
@@ -149,7 +151,7 @@ impl StoreOptions {
 /// `idem_redis::RedisUrl`).
 #[derive(Clone)]
 pub(crate) enum StoreUrl {
-    Memory,
+    Memory(MemoryLimits),
     Sqlite(idem_sql::url::SqliteUrl),
     #[cfg(feature = "postgres")]
     Postgres(idem_sql::PostgresOptions),
@@ -163,7 +165,7 @@ impl std::fmt::Debug for StoreUrl {
     // The SQL options' derived Debug would print the URL's password.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let url = match self {
-            Self::Memory => RedactedUrl::new("memory://"),
+            Self::Memory(_) => RedactedUrl::new("memory://"),
             Self::Sqlite(u) => u.url.clone(),
             #[cfg(feature = "postgres")]
             Self::Postgres(o) => RedactedUrl::new(o.url.as_str()),
@@ -187,7 +189,7 @@ impl StoreUrl {
         // With every backend built in, the last arm is never reached.
         #[allow(unreachable_patterns)]
         Ok(match kind {
-            StoreKind::Memory => Self::Memory,
+            StoreKind::Memory => Self::Memory(memory_limits(url)?),
             StoreKind::Sqlite => Self::Sqlite(idem_sql::url::SqliteUrl::parse(url)?),
             #[cfg(feature = "postgres")]
             StoreKind::Postgres => Self::Postgres(idem_sql::PostgresOptions::from_url(url)?),
@@ -204,7 +206,7 @@ impl StoreUrl {
     /// The kind of store.
     pub(crate) fn kind(&self) -> StoreKind {
         match self {
-            Self::Memory => StoreKind::Memory,
+            Self::Memory(_) => StoreKind::Memory,
             Self::Sqlite(_) => StoreKind::Sqlite,
             #[cfg(feature = "postgres")]
             Self::Postgres(_) => StoreKind::Postgres,
@@ -215,6 +217,37 @@ impl StoreUrl {
             #[cfg(feature = "redis")]
             Self::Redis(_) => StoreKind::Redis,
         }
+    }
+}
+
+/// The caps of a `memory://` URL: `idem_max_records=N` (default
+/// 1,000,000, at least 1) sets [`MemoryLimits::max_entries`].
+fn memory_limits(url: &str) -> Result<MemoryLimits, StoreError> {
+    let u = idem_core::url::StoreUrl::parse(url)?;
+    let o = u.options("memory", &[Param::Text("idem_max_records")])?;
+    if o.driver_url().expose() != "memory://" {
+        return Err(u.error("memory:// takes no parameters but idem_max_records"));
+    }
+    let mut limits = MemoryLimits::default();
+    if let Some(n) = o.text("idem_max_records") {
+        limits.max_entries = match n.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                return Err(u.error(format_args!(
+                    "idem_max_records takes a number of records above 0, not {n:?}"
+                )))
+            }
+        };
+    }
+    Ok(limits)
+}
+
+/// The record cap of a `memory://` URL (`idem_max_records`), `None` for
+/// other stores and for URLs that do not parse.
+pub(crate) fn memory_max_records(url: &str) -> Option<usize> {
+    match StoreKind::of_scheme(url) {
+        Ok(StoreKind::Memory) => memory_limits(url).ok().map(|l| l.max_entries),
+        _ => None,
     }
 }
 
@@ -259,6 +292,7 @@ pub async fn open_store(url: &str) -> Result<DynStore, StoreError> {
 /// | `idem_schema` | PostgreSQL | the schema of the table, created when missing | `public` |
 /// | `idem_migrate` | PostgreSQL, MySQL | create missing tables at startup (`false` when the role may not run DDL) | `true` |
 /// | `idem_prefix` | Redis | the first part of every Redis key and channel (≤ 64 bytes) | `idem` |
+/// | `idem_max_records` | memory | most records kept (claims, results and submit-token markers); a full store answers 503 `store-full` | `1000000` |
 ///
 /// Each store reads its own URL (`idem_sql::PostgresOptions::from_url`,
 /// `idem_sql::MySqlOptions::from_url`, [`idem_sql::url::SqliteUrl`],
@@ -278,7 +312,7 @@ pub async fn open_store(url: &str) -> Result<DynStore, StoreError> {
 pub async fn open_store_with(url: &str, options: &StoreOptions) -> Result<DynStore, StoreError> {
     let t = options.timeout;
     let store: DynStore = match StoreUrl::parse(url)? {
-        StoreUrl::Memory => Arc::new(MemoryStore::new()),
+        StoreUrl::Memory(limits) => Arc::new(MemoryStore::new().with_limits(limits)),
         StoreUrl::Sqlite(u) => {
             let o = idem_sql::SqliteOptions::default()
                 .with_busy_timeout(t)
@@ -354,6 +388,10 @@ mod tests {
             "idem.db",
             "sqlite://",
             "memory://x",
+            "memory://?idem_max_records=0",
+            "memory://?idem_max_records=lots",
+            "memory://?idem_nope=1",
+            "memory://?x=1",
             "postgres://",
             "redis+cluster://",
             "foo://x",
@@ -378,6 +416,12 @@ mod tests {
     #[test]
     fn built_in_kinds() {
         assert_eq!(StoreKind::of_url("memory://").unwrap(), StoreKind::Memory);
+        assert_eq!(memory_max_records("memory://"), Some(1_000_000));
+        assert_eq!(
+            memory_max_records("memory://?idem_max_records=50"),
+            Some(50)
+        );
+        assert_eq!(memory_max_records("sqlite://x.db"), None);
         assert_eq!(
             StoreKind::of_url(" SQLITE://idem.db ").unwrap(),
             StoreKind::Sqlite

@@ -112,7 +112,9 @@ async fn assert_failed_and_held(
 /// gateway in front of it with a 5 s lease.
 async fn breaking_rig(answer: &[u8]) -> (RawUpstream, TestGateway) {
     raw_rig(RawAction::WriteAndClose(answer.to_vec()), |c| {
-        c.layer.lease = Duration::from_secs(5)
+        c.layer.lease = Duration::from_secs(5);
+        // The lease must be longer than the store timeout (5 s by default).
+        c.store_options.timeout = Duration::from_secs(2);
     })
     .await
 }
@@ -277,6 +279,7 @@ async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
 async fn c1_connection_broken_before_an_answer_holds_the_key_for_its_lease_then_runs_once_more() {
     let (raw, gw) = raw_rig(RawAction::CloseWithoutAnswer, |c| {
         c.layer.lease = Duration::from_secs(1);
+        c.store_options.timeout = Duration::from_millis(500);
     })
     .await;
     let c = client();
@@ -551,6 +554,7 @@ async fn f1_after_the_ttl_the_same_key_runs_again() {
     let Rig { up, gw, c } = rig(|c| {
         c.layer.ttl = Duration::from_secs(1);
         c.layer.lease = Duration::from_secs(1);
+        c.store_options.timeout = Duration::from_millis(500);
     })
     .await;
     let k = key("f1");
@@ -598,6 +602,7 @@ async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
     let Rig { up, gw, c } = rig(|c| {
         c.upstream_timeout = Duration::from_millis(300);
         c.layer.lease = Duration::from_secs(1);
+        c.store_options.timeout = Duration::from_millis(500);
     })
     .await;
     let k = key("timeout");

@@ -203,6 +203,8 @@ async fn fail_open_never_reruns_a_request_whose_result_could_not_be_saved() {
     let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
         cfg.fail_open = true;
         cfg.layer.lease = Duration::from_secs(5);
+        // The lease must be longer than the store timeout (5 s by default).
+        cfg.store_options.timeout = Duration::from_secs(2);
     })
     .await;
     store.set(Op::Complete, Fault::Unavailable);

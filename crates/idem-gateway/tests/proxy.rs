@@ -338,15 +338,18 @@ async fn expired_records_are_purged_in_the_background() {
     let up = upstream().await;
     let mem = MemoryStore::new();
     let mut c = config(&up.url());
-    c.layer.ttl = Duration::from_millis(300);
-    c.layer.lease = Duration::from_millis(300);
+    // The shortest the gateway accepts: a lease of 1 s (`MIN_LEASE`),
+    // longer than the store timeout.
+    c.layer.ttl = Duration::from_secs(1);
+    c.layer.lease = Duration::from_secs(1);
+    c.store_options.timeout = Duration::from_millis(500);
     c.purge_interval = Duration::from_millis(100);
     let gw = gateway_with(c, Arc::new(mem.clone())).await;
     let r = post(&client(), &gw.url("/orders"), Some(&key("purge")), "{}").await;
     assert_eq!(r.status, 201);
     assert_eq!(mem.len(), 1);
     assert!(
-        eventually(Duration::from_secs(3), || mem.is_empty()).await,
+        eventually(Duration::from_secs(5), || mem.is_empty()).await,
         "the expired record was not purged"
     );
 }

@@ -46,8 +46,12 @@ fn assert_problem(r: &Got, status: u16, kind: &str) {
 
 #[tokio::test]
 async fn issuing_a_token_answers_201_json() {
-    let Rig { up, gw, c } = rig(|c| c.layer.token_ttl = Duration::from_secs(600)).await;
-    let r = issue(&c, &gw, None).await;
+    let Rig { up, gw, c } = rig(|c| {
+        c.layer.token_ttl = Duration::from_secs(600);
+        c.issue_tokens = true;
+    })
+    .await;
+    let r = issue(&c, &gw, Some("Bearer alice")).await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(
         r.header("content-type").as_deref(),
@@ -60,7 +64,7 @@ async fn issuing_a_token_answers_201_json() {
     assert_eq!(v["expires_in"], 600);
     assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
     // Every token is new.
-    let again = token(&c, &gw, None).await;
+    let again = token(&c, &gw, Some("Bearer alice")).await;
     assert_ne!(again, t);
     // Only POST.
     let get = fetch(&c, &gw.url("/_idem/tokens")).await;
@@ -100,7 +104,11 @@ async fn i1_two_concurrent_submits_with_one_token_run_once() {
 
 #[tokio::test]
 async fn sixteen_concurrent_submits_with_one_token_run_once() {
-    let Rig { up, gw, c } = rig(|c| c.layer.require_token = vec!["/slow".into()]).await;
+    let Rig { up, gw, c } = rig(|c| {
+        c.layer.require_token = vec!["/slow".into()];
+        c.layer.anonymous_tokens = true;
+    })
+    .await;
     let t = token(&c, &gw, None).await;
     let url = gw.url("/slow?ms=300");
     let tasks: Vec<_> = (0..16)
@@ -196,12 +204,12 @@ async fn routes_outside_the_prefixes_work_as_before() {
 
 #[tokio::test]
 async fn issuing_with_the_store_down_is_503() {
-    let (Rig { up: _up, gw, c }, store) = faulty_rig(|_| {}).await;
+    let (Rig { up: _up, gw, c }, store) = faulty_rig(|c| c.issue_tokens = true).await;
     store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
-    let r = issue(&c, &gw, None).await;
+    let r = issue(&c, &gw, Some("Bearer alice")).await;
     assert_problem(&r, 503, "store-unavailable");
     store.clear_all();
-    let r = issue(&c, &gw, None).await;
+    let r = issue(&c, &gw, Some("Bearer alice")).await;
     assert_eq!(r.status, 201, "{}", r.text());
 }
 
@@ -210,6 +218,7 @@ async fn a_token_route_never_fails_open() {
     let (Rig { up, gw, c }, store) = faulty_rig(|cfg| {
         cfg.fail_open = true;
         cfg.layer.require_token = vec!["/orders".into()];
+        cfg.layer.anonymous_tokens = true;
     })
     .await;
     let t = token(&c, &gw, None).await;
@@ -220,4 +229,59 @@ async fn a_token_route_never_fails_open() {
     store.clear_all();
     let r = post(&c, &gw.url("/orders"), Some(&t), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
+}
+
+#[tokio::test]
+async fn without_a_token_route_the_endpoint_is_off() {
+    let Rig { up, gw, c } = rig(|_| {}).await;
+    for auth in [None, Some("Bearer alice")] {
+        let r = issue(&c, &gw, auth).await;
+        assert_problem(&r, 404, "not-found");
+    }
+    let r = fetch(&c, &gw.url("/_idem/tokens")).await;
+    assert_problem(&r, 404, "not-found");
+    assert_eq!(up.hits(), 0, "never proxied");
+}
+
+#[tokio::test]
+async fn issuing_needs_a_scope_header() {
+    let Rig { up: _up, gw, c } = rig(|c| c.layer.require_token = vec!["/orders".into()]).await;
+    let r = issue(&c, &gw, None).await;
+    assert_problem(&r, 400, "scope-required");
+    assert!(r.text().contains("authorization"), "{}", r.text());
+    assert_eq!(issue(&c, &gw, Some("Bearer alice")).await.status, 201);
+}
+
+#[tokio::test]
+async fn used_tokens_stop_counting_against_the_scope_cap() {
+    let Rig { up, gw, c } = rig(|c| {
+        c.layer.require_token = vec!["/orders".into()];
+        c.layer.tokens_per_scope = 2;
+        c.layer.max_live_tokens = 3;
+    })
+    .await;
+    let a = token(&c, &gw, Some("Bearer alice")).await;
+    let _b = token(&c, &gw, Some("Bearer alice")).await;
+    let r = issue(&c, &gw, Some("Bearer alice")).await;
+    assert_problem(&r, 429, "too-many-tokens");
+    let secs: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=3600).contains(&secs), "{secs}");
+    // A token sent from another scope is refused and still counts.
+    let r = post_as(&c, &gw.url("/orders"), Some(&a), "Bearer mallory").await;
+    assert_problem(&r, 403, "token-unknown");
+    assert_problem(
+        &issue(&c, &gw, Some("Bearer alice")).await,
+        429,
+        "too-many-tokens",
+    );
+    // Used by its owner: room again.
+    let r = post_as(&c, &gw.url("/orders"), Some(&a), "Bearer alice").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let _c = token(&c, &gw, Some("Bearer alice")).await;
+    // The gateway-wide cap (3 live: _b, _c and bob's).
+    let _bob = token(&c, &gw, Some("Bearer bob")).await;
+    let r = issue(&c, &gw, Some("Bearer carol")).await;
+    assert_problem(&r, 429, "too-many-tokens");
+    assert!(r.text().contains("in all"), "{}", r.text());
+    assert_eq!(up.hits(), 1);
 }

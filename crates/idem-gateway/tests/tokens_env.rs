@@ -70,13 +70,48 @@ async fn require_token_comes_from_a_comma_separated_idem_require_token() {
     assert_eq!(r.status, 403, "{}", r.text());
     assert_eq!(r.problem_type(), "urn:idem:problem:token-unknown");
     assert_eq!(up.hits(), 0);
-    let issued = read(c.post(gw.url("/_idem/tokens")).send().await.unwrap()).await;
+    let issued = read(
+        c.post(gw.url("/_idem/tokens"))
+            .header("authorization", "Bearer alice")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(issued.status, 201);
     assert_eq!(issued.json()["expires_in"], 600);
     let t = issued.json()["token"].as_str().unwrap().to_owned();
-    let r = post(&c, &gw.url("/orders"), Some(&t), "{}").await;
+    let r = read(
+        c.post(gw.url("/orders"))
+            .header("authorization", "Bearer alice")
+            .header("idempotency-key", &t)
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(r.status, 201, "{}", r.text());
     let r = post(&c, &gw.url("/refunds"), Some(&key("r")), "{}").await;
     assert_eq!(r.status, 201, "`/refunds/` covers only paths under it");
     assert_eq!(up.hits(), 2);
+    token_budget_variables();
+}
+
+/// Run by the test above, not beside it: both set process-wide variables.
+fn token_budget_variables() {
+    std::env::set_var("IDEM_ISSUE_TOKENS", "yes");
+    std::env::set_var("IDEM_ANONYMOUS_TOKENS", "on");
+    std::env::set_var("IDEM_TOKENS_PER_SCOPE", "9");
+    std::env::set_var("IDEM_MAX_LIVE_TOKENS", "90");
+    let c = parse("http://127.0.0.1:9", &[]);
+    std::env::remove_var("IDEM_ISSUE_TOKENS");
+    std::env::remove_var("IDEM_ANONYMOUS_TOKENS");
+    std::env::remove_var("IDEM_TOKENS_PER_SCOPE");
+    std::env::remove_var("IDEM_MAX_LIVE_TOKENS");
+    let c = c.unwrap();
+    assert!(c.issue_tokens && c.tokens_served());
+    assert!(c.layer.anonymous_tokens);
+    assert_eq!((c.layer.tokens_per_scope, c.layer.max_live_tokens), (9, 90));
 }

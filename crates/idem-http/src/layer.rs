@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, Method, StatusCode};
-use idem_core::token::{IssueError, IssuedToken, SubmitTokens};
-use idem_core::{DynStore, Engine, Store};
+use idem_core::token::{IssuedToken, SubmitTokens};
+use idem_core::{DynStore, Engine, Scope, Store};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
@@ -13,6 +13,7 @@ use crate::options::{FailOpenGuard, Options};
 use crate::policy::Disposition;
 use crate::scope::ScopeBy;
 use crate::service::IdempotencyService;
+use crate::tokens::{TokenBudget, TokenIssueError};
 
 /// `with_*` setters that each set the [`Options`] field of their name
 /// (the doc comments written at the call pass through).
@@ -55,6 +56,8 @@ pub struct IdempotencyLayer {
     store: DynStore,
     options: Options,
     tracker: TaskTracker,
+    /// The live tokens this layer issued (shared by its clones and services).
+    budget: Arc<TokenBudget>,
 }
 
 impl IdempotencyLayer {
@@ -71,6 +74,7 @@ impl IdempotencyLayer {
             store,
             options,
             tracker: TaskTracker::new(),
+            budget: Arc::default(),
         }
     }
 
@@ -311,21 +315,46 @@ impl IdempotencyLayer {
     /// `headers` ([`Options::scope`]), valid for [`Options::token_ttl`]
     /// (capped at [`Options::ttl`]). Two store calls.
     ///
+    /// A request that carries none of the scope headers gets no token
+    /// unless [`Options::anonymous_tokens`] is on; a scope that already
+    /// holds [`Options::tokens_per_scope`] live tokens, or a layer that
+    /// holds [`Options::max_live_tokens`], gets none until one is used or
+    /// expires (counted in this process, see [`TokenIssueError::TooMany`]).
+    ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new());
-    /// let issued = layer.issue_token(&http::HeaderMap::new()).await.unwrap();
+    /// use idem_http::{IdempotencyLayer, TokenIssueError};
+    /// let layer = IdempotencyLayer::new(idem_core::MemoryStore::new());
+    /// let mut h = http::HeaderMap::new();
+    /// assert!(matches!(layer.issue_token(&h).await, Err(TokenIssueError::ScopeRequired)));
+    /// h.insert("authorization", "Bearer alice".parse().unwrap());
+    /// let issued = layer.issue_token(&h).await.unwrap();
     /// assert!(issued.token.starts_with("tok_"));
     /// assert_eq!(issued.expires_in.as_secs(), 3600);
     /// # });
     /// ```
     ///
     /// # Errors
-    /// [`IssueError::Store`] when the store fails, [`IssueError::ZeroTtl`]
-    /// when `token_ttl` is 0.
-    pub async fn issue_token(&self, headers: &HeaderMap) -> Result<IssuedToken, IssueError> {
+    /// [`TokenIssueError::ScopeRequired`] for an anonymous caller (unless
+    /// allowed), [`TokenIssueError::TooMany`] beyond a cap (with the time
+    /// until the oldest counted token expires), [`TokenIssueError::Issue`]
+    /// when the store fails or `token_ttl` is 0.
+    pub async fn issue_token(&self, headers: &HeaderMap) -> Result<IssuedToken, TokenIssueError> {
         let scope = self.options.scope.scope_of(headers);
-        self.tokens().issue(&scope, self.options.token_ttl).await
+        if scope == Scope::anonymous() && !self.options.anonymous_tokens {
+            return Err(TokenIssueError::ScopeRequired);
+        }
+        let room = self.budget.reserve(
+            &scope,
+            std::time::Instant::now(),
+            self.options.tokens_per_scope,
+            self.options.max_live_tokens,
+        )?;
+        let issued = self.tokens().issue(&scope, self.options.token_ttl).await?;
+        // Counted from now, after the marker was written: never shorter
+        // than the store keeps it.
+        room.commit(&issued.token, std::time::Instant::now() + issued.expires_in);
+        Ok(issued)
     }
 }
 
@@ -339,6 +368,7 @@ impl<S> Layer<S> for IdempotencyLayer {
             engine,
             Arc::new(self.options.clone()),
             self.tracker.clone(),
+            self.budget.clone(),
         )
     }
 }

@@ -106,6 +106,7 @@ mod problem;
 pub mod replay;
 mod scope;
 mod service;
+mod tokens;
 
 use bytes::Bytes;
 pub use idem_core::{DynStore, Scope};
@@ -123,6 +124,7 @@ pub use policy::{default_policy, Disposition};
 pub use problem::{problem, Problem, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 pub use scope::ScopeBy;
 pub use service::IdempotencyService;
+pub use tokens::{TokenCap, TokenIssueError, DEFAULT_MAX_LIVE_TOKENS, DEFAULT_TOKENS_PER_SCOPE};
 /// The tracker of the tasks that run guarded requests (re-exported from
 /// `tokio-util`), see [`IdempotencyLayer::tracker`].
 pub use tokio_util::task::TaskTracker;

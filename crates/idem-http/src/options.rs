@@ -92,6 +92,25 @@ pub struct Options {
     /// the routes of `require_token` (a token cannot be checked without the
     /// store), nor once the inner service was called.
     pub fail_open: Option<Arc<dyn FailOpenGuard>>,
+    /// Whether [`crate::IdempotencyLayer::issue_token`] issues tokens to a
+    /// request that carries none of the scope headers (default false: it
+    /// answers [`crate::TokenIssueError::ScopeRequired`]). On, every such
+    /// caller shares the anonymous scope, and with it one
+    /// `tokens_per_scope` budget.
+    pub anonymous_tokens: bool,
+    /// Most live submit tokens per scope (default
+    /// [`crate::DEFAULT_TOKENS_PER_SCOPE`], 100); beyond it
+    /// [`crate::TokenIssueError::TooMany`]. A token stops counting when it
+    /// is used (its result stored) or its TTL ends. Counted per layer, so
+    /// per gateway instance.
+    pub tokens_per_scope: usize,
+    /// Most live submit tokens in all (default
+    /// [`crate::DEFAULT_MAX_LIVE_TOKENS`], 100,000), so that tokens (one
+    /// store record each) cannot fill the store that holds the results:
+    /// keep it well below a capped store's record limit (the memory store's
+    /// `MemoryLimits::max_entries`, 1,000,000 by default). Counted per
+    /// layer, so per gateway instance.
+    pub max_live_tokens: usize,
 }
 
 impl Default for Options {
@@ -110,11 +129,33 @@ impl Default for Options {
             require_token: Vec::new(),
             token_ttl: DEFAULT_TOKEN_TTL,
             fail_open: None,
+            anonymous_tokens: false,
+            tokens_per_scope: crate::tokens::DEFAULT_TOKENS_PER_SCOPE,
+            max_live_tokens: crate::tokens::DEFAULT_MAX_LIVE_TOKENS,
         }
     }
 }
 
 impl Options {
+    /// Checks the settings the guarantee depends on: a lease of at least
+    /// [`idem_core::MIN_LEASE`] (1 s) and a TTL not shorter than the lease
+    /// ([`EngineConfig::validate`]). The layer never refuses to build: below
+    /// the floor its engine runs with the lease raised to 1 s, see [`idem_core::Engine::with_config`]; call this to
+    /// refuse such settings at startup instead.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let o = idem_http::Options { lease: Duration::from_millis(1), ..Default::default() };
+    /// assert!(o.validate().is_err());
+    /// assert!(idem_http::Options::default().validate().is_ok());
+    /// ```
+    ///
+    /// # Errors
+    /// [`idem_core::EngineConfigError`].
+    pub fn validate(&self) -> Result<(), idem_core::EngineConfigError> {
+        self.engine_config().validate()
+    }
+
     /// The engine settings these options imply: `lease`, `ttl`, `wait`, a
     /// watchdog that renews the lease every third of its length, and
     /// `Hold` when a run is dropped mid-flight (a panicking inner service):
@@ -207,6 +248,10 @@ mod tests {
         assert!(o.require_token.is_empty());
         assert_eq!(o.token_ttl, Duration::from_secs(3600));
         assert!(o.fail_open.is_none());
+        assert!(!o.anonymous_tokens);
+        assert_eq!(o.tokens_per_scope, 100);
+        assert_eq!(o.max_live_tokens, 100_000);
+        assert!(o.validate().is_ok());
     }
 
     #[test]

@@ -27,6 +27,7 @@ use crate::path::{normalize_path, PathError};
 use crate::policy::Disposition;
 use crate::problem::Problem;
 use crate::replay::{replay_response, to_stored};
+use crate::tokens::TokenBudget;
 use crate::{BoxBody, BoxError};
 
 /// The service made by [`crate::IdempotencyLayer`].
@@ -55,6 +56,8 @@ pub struct IdempotencyService<S> {
     engine: Engine<DynStore>,
     options: Arc<Options>,
     tracker: TaskTracker,
+    /// The layer's live submit tokens (a used token stops counting).
+    budget: Arc<TokenBudget>,
 }
 
 impl<S> IdempotencyService<S> {
@@ -63,12 +66,14 @@ impl<S> IdempotencyService<S> {
         engine: Engine<DynStore>,
         options: Arc<Options>,
         tracker: TaskTracker,
+        budget: Arc<TokenBudget>,
     ) -> Self {
         Self {
             inner,
             engine,
             options,
             tracker,
+            budget,
         }
     }
 
@@ -191,6 +196,7 @@ where
             scope,
             key,
             token,
+            budget: self.budget.clone(),
             log,
         };
         guarded.respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
@@ -205,6 +211,7 @@ struct Guarded {
     key: IdempotencyKey,
     /// The key must be a live submit token ([`crate::Options::require_token`]).
     token: bool,
+    budget: Arc<TokenBudget>,
     log: LogCtx,
 }
 
@@ -300,6 +307,7 @@ impl Guarded {
             scope,
             key,
             token,
+            budget,
             log,
         } = self;
         let policy = options.policy;
@@ -323,10 +331,26 @@ impl Guarded {
             }
         };
         let outcome = if token {
-            match SubmitTokens::from_engine(engine)
+            let outcome = SubmitTokens::from_engine(engine)
                 .execute(&scope, key.as_str(), fingerprint, op)
-                .await
-            {
+                .await;
+            // A token stops counting against the budget once it is used up
+            // (its result stored, or found used) or the store no longer
+            // knows it; released, held or in flight, it is still live.
+            if matches!(
+                outcome,
+                Ok(TokenOutcome::TokenRejected
+                    | TokenOutcome::Keyed(
+                        Outcome::Executed {
+                            saved: Saved::Stored,
+                            ..
+                        } | Outcome::Replayed(_)
+                            | Outcome::Mismatch
+                    ))
+            ) {
+                budget.consume(&scope, key.as_str());
+            }
+            match outcome {
                 Ok(TokenOutcome::Keyed(outcome)) => Ok(outcome),
                 Ok(TokenOutcome::TokenRejected) => return Ok(log.rejected(token_unknown())),
                 Err(e) => Err(e),
