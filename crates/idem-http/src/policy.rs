@@ -24,10 +24,13 @@ pub enum Disposition {
 ///
 /// | status                          | disposition |
 /// |---------------------------------|-------------|
-/// | 1xx, 2xx, 3xx                   | `Store`     |
+/// | 2xx, 3xx                        | `Store`     |
 /// | 4xx except 408, 409, 425, 429   | `Store`     |
 /// | 408, 409, 425, 429              | `Release` (the request may succeed when retried) |
 /// | 5xx and above                   | `Release`   |
+///
+/// A 1xx final answer never reaches the policy: the layer answers it with
+/// 502 `upstream-protocol` and releases the key, whatever the policy says.
 ///
 /// ```
 /// use http::StatusCode;
