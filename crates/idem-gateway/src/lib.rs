@@ -202,6 +202,7 @@
 
 mod config;
 mod guard;
+mod limits;
 mod proxy;
 mod server;
 mod store;
@@ -212,6 +213,7 @@ pub use config::{
     DEFAULT_LISTEN, DEFAULT_PURGE_INTERVAL, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STORE,
     DEFAULT_UPSTREAM_IDLE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
 };
+pub use config::{DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 /// The response field that marks an answer given without protection
 /// (`Idempotency-Status: unprotected`, see [Store outages](#store-outages)).
 pub use idem_http::IDEMPOTENCY_STATUS;
