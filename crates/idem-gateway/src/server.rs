@@ -34,7 +34,6 @@ pub const RESERVED_PREFIX: &str = "/_idem/";
 /// How long `GET /_idem/health` waits for the store.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
 
-
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -397,7 +396,15 @@ async fn accept_until(
                     activity: Arc::new(tokio::sync::watch::Sender::new(0)),
                     requests: door.requests.clone(),
                 };
-                serve_connection(&builder, graceful, stream, peer, root, slot, door.header_timeout);
+                serve_connection(
+                    &builder,
+                    graceful,
+                    stream,
+                    peer,
+                    root,
+                    slot,
+                    door.header_timeout,
+                );
             }
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.

@@ -223,10 +223,11 @@ impl Guarded {
             let (parts, body) = req.into_parts();
             let reservation = self.budget.reservation();
             let declared = content_length(&parts.headers);
-            let (bytes, reservation) = match read_body(body, declared, &self.options, reservation).await {
-                Ok(read) => read,
-                Err(refused) => return Ok(log.rejected(refused)),
-            };
+            let (bytes, reservation) =
+                match read_body(body, declared, &self.options, reservation).await {
+                    Ok(read) => read,
+                    Err(refused) => return Ok(log.rejected(refused)),
+                };
             let fingerprint =
                 request_fingerprint(&parts.method, &parts.uri, &parts.headers, &bytes);
             // The reserved bytes go back to the budget when the inner
