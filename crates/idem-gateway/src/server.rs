@@ -563,7 +563,9 @@ impl tower_service::Service<Request<Incoming>> for Tracked {
     fn call(&mut self, req: Request<Incoming>) -> Self::Future {
         let mut busy = Busy::new(self.activity.clone());
         let requests = self.requests.clone();
-        let mut inner = self.inner.clone();
+        // Call the service that was driven to readiness; leave a clone.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(async move {
             busy._permit = requests.acquire_owned().await.ok();
             let resp = match tower_service::Service::call(&mut inner, req).await {
