@@ -15,6 +15,7 @@ use idem_http::{
     Options, ScopeBy, DEFAULT_MAX_BODY, DEFAULT_MAX_LIVE_TOKENS, DEFAULT_METHODS,
     DEFAULT_RETENTION_LIMIT, DEFAULT_TOKENS_PER_SCOPE, DEFAULT_TOKEN_TTL,
 };
+use idem_http::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BUFFERED};
 pub use ipnet::IpNet;
 
 use crate::store::StoreOptions;
@@ -32,6 +33,12 @@ pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
 pub const DEFAULT_PURGE_INTERVAL: Duration = Duration::from_secs(60);
 /// How long a graceful shutdown waits by default: 30 s.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// How long a client connection may go without a complete request head by
+/// default (from accept, or from the end of the previous response): 10 s.
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most client connections served at once by default: 10,000 (lowered to
+/// what `RLIMIT_NOFILE` leaves, see [`GatewayConfig::max_connections`]).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 
 /// Flags of `idem gateway`. Every flag can also be set by an environment
 /// variable `IDEM_<FLAG>`; a flag on the command line wins over the variable.
@@ -281,6 +288,37 @@ pub struct GatewayArgs {
         value_parser = parse_trusted_proxy
     )]
     pub trusted_proxy: Vec<IpNet>,
+    /// How long a client connection may go without a complete request
+    /// head: from accept to the end of the first request's headers, and
+    /// from the end of each response to the end of the next request's
+    /// headers (the keep-alive idle time). A socket that sends nothing,
+    /// or a header that trickles, is closed then; HTTP/1.1 and HTTP/2
+    /// alike (an HTTP/2 connection with no stream open is closed after
+    /// it, pings or not). Must be above 0.
+    #[arg(long, env = "IDEM_HEADER_TIMEOUT", value_name = "DURATION", default_value = show_duration(DEFAULT_HEADER_TIMEOUT), value_parser = parse_duration)]
+    pub header_timeout: Duration,
+
+    /// The longest reading a guarded request's body may take in all (a
+    /// total deadline, not an idle one). Past it: 408 `body-timeout`, the
+    /// key untouched, the bytes freed. Must be above 0.
+    #[arg(long, env = "IDEM_BODY_TIMEOUT", value_name = "DURATION", default_value = show_duration(DEFAULT_BODY_TIMEOUT), value_parser = parse_duration)]
+    pub body_timeout: Duration,
+
+    /// Most client connections served at once; past it the gateway stops
+    /// accepting until one closes (new connections wait in the kernel's
+    /// backlog). Lowered at start to what the file-descriptor limit
+    /// (`ulimit -n`) leaves: (limit − store pool size − 32) / 2, one
+    /// upstream connection counted per client connection. A limit that
+    /// leaves no room is refused at start. Must be above 0.
+    #[arg(long, env = "IDEM_MAX_CONNECTIONS", value_name = "N", default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+
+    /// Most bytes of guarded request bodies held in memory at once, across
+    /// all requests. A request whose declared length does not fit gets 503
+    /// `overloaded` with `Retry-After` before its body is read (a chunked
+    /// body: as soon as a chunk does not fit). At least `--max-body`.
+    #[arg(long, env = "IDEM_MAX_BUFFERED", value_name = "BYTES", default_value = show_size(DEFAULT_MAX_BUFFERED), value_parser = parse_size)]
+    pub max_buffered: usize,
 }
 
 impl GatewayArgs {
@@ -331,9 +369,13 @@ impl GatewayArgs {
             anonymous_tokens: self.anonymous_tokens,
             tokens_per_scope: self.tokens_per_scope,
             max_live_tokens: self.max_live_tokens,
+            body_timeout: self.body_timeout,
+            max_buffered: self.max_buffered,
             ..config.layer
         };
         config.issue_tokens = self.issue_tokens;
+        config.header_timeout = self.header_timeout;
+        config.max_connections = self.max_connections;
         config.upstream_timeout = self.upstream_timeout;
         config.upstream_idle_timeout = self.upstream_idle_timeout;
         config.fail_open = self.fail_open;
@@ -399,6 +441,20 @@ pub struct GatewayConfig {
     /// Serve `POST /_idem/tokens` even when `layer.require_token` is empty
     /// (default false; `--issue-tokens`). See [`GatewayConfig::tokens_served`].
     pub issue_tokens: bool,
+    /// How long a client connection may go without a complete request
+    /// head, from accept or from the end of the previous response (default
+    /// [`DEFAULT_HEADER_TIMEOUT`], 10 s; above 0; `--header-timeout`).
+    /// Applies to HTTP/1.1 (hyper's header read timeout as well) and to
+    /// HTTP/2 (a connection with no stream open is closed after it).
+    pub header_timeout: Duration,
+    /// Most client connections served at once (default
+    /// [`DEFAULT_MAX_CONNECTIONS`]; above 0; `--max-connections`). The cap
+    /// in force is the smaller of this and `(RLIMIT_NOFILE − pool size −
+    /// 32) / 2`, read by [`GatewayConfig::validate`]; past it the gateway
+    /// stops accepting until a connection closes (nginx's behaviour when
+    /// `worker_connections` are used up), and guarded or proxied requests
+    /// in flight are capped at the same number (HTTP/2 streams wait).
+    pub max_connections: usize,
 }
 
 impl GatewayConfig {
@@ -417,6 +473,8 @@ impl GatewayConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             trusted_proxies: Vec::new(),
             issue_tokens: false,
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 
@@ -424,6 +482,36 @@ impl GatewayConfig {
     /// route or `--issue-tokens`; otherwise it answers 404.
     pub fn tokens_served(&self) -> bool {
         self.issue_tokens || !self.layer.require_token.is_empty()
+    }
+
+    /// The connection limit in force: [`Self::max_connections`], lowered
+    /// to what this process's `RLIMIT_NOFILE` leaves (read now).
+    ///
+    /// # Errors
+    /// [`ConfigError::Zero`] for a zero header timeout, body timeout,
+    /// connection cap or body budget, [`ConfigError::BufferedBelowMaxBody`],
+    /// [`ConfigError::NoRoomForConnections`].
+    pub(crate) fn connection_cap(&self) -> Result<crate::limits::ConnectionCap, ConfigError> {
+        if self.header_timeout.is_zero() {
+            return Err(ConfigError::Zero("--header-timeout"));
+        }
+        if self.layer.body_timeout.is_zero() {
+            return Err(ConfigError::Zero("--body-timeout"));
+        }
+        if self.max_connections == 0 {
+            return Err(ConfigError::Zero("--max-connections"));
+        }
+        if self.layer.max_buffered < self.layer.max_body {
+            return Err(ConfigError::BufferedBelowMaxBody {
+                max_buffered: self.layer.max_buffered,
+                max_body: self.layer.max_body,
+            });
+        }
+        crate::limits::connection_cap(
+            self.max_connections,
+            self.store_options.pool_size,
+            crate::limits::nofile(),
+        )
     }
 
     /// Checks the settings together.
@@ -488,6 +576,7 @@ impl GatewayConfig {
                 }
             }
         }
+        self.connection_cap()?;
         for prefix in &layer.require_token {
             parse_token_prefix(prefix).map_err(ConfigError::RequireToken)?;
         }
@@ -642,6 +731,24 @@ pub enum ConfigError {
     /// A `--require-token` prefix is not a path prefix.
     #[error("--require-token: {0}")]
     RequireToken(String),
+    /// `--max-buffered` is below `--max-body`: bodies between the two
+    /// could never be read.
+    #[error("--max-buffered ({max_buffered} bytes) is below --max-body ({max_body} bytes); a body of up to --max-body must fit in the budget")]
+    BufferedBelowMaxBody {
+        /// The budget given.
+        max_buffered: usize,
+        /// The body limit given.
+        max_body: usize,
+    },
+    /// The file-descriptor limit leaves no room for a client connection
+    /// once the store and the upstream have their share.
+    #[error("--max-connections: the file-descriptor limit (RLIMIT_NOFILE, `ulimit -n`) is {nofile}, and {reserve} are kept for the store pool and the gateway itself, leaving room for no client connection with its upstream connection; raise the limit (e.g. `ulimit -n 4096`, systemd LimitNOFILE=) or lower --store-pool-size")]
+    NoRoomForConnections {
+        /// The soft limit read at start.
+        nofile: u64,
+        /// The descriptors kept back.
+        reserve: u64,
+    },
 }
 
 /// Parses a duration such as `500ms`, `30s`, `24h` or `0`.
@@ -918,6 +1025,50 @@ mod tests {
         assert!(!c.fail_open);
         assert_eq!(c.layer.token_ttl, Duration::from_secs(3600));
         assert!(c.layer.require_token.is_empty());
+        assert_eq!(c.header_timeout, Duration::from_secs(10));
+        assert_eq!(c.layer.body_timeout, Duration::from_secs(30));
+        assert_eq!(c.max_connections, 10_000);
+        assert_eq!(c.layer.max_buffered, 256 << 20);
+    }
+
+    #[test]
+    fn connection_flags() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        let c = g(&[
+            "--header-timeout",
+            "2s",
+            "--body-timeout",
+            "500ms",
+            "--max-connections",
+            "7",
+            "--max-buffered",
+            "20MiB",
+        ])
+        .unwrap();
+        assert_eq!(c.header_timeout, Duration::from_secs(2));
+        assert_eq!(c.layer.body_timeout, Duration::from_millis(500));
+        assert_eq!(c.max_connections, 7);
+        assert_eq!(c.layer.max_buffered, 20 << 20);
+        assert_eq!(c.connection_cap().unwrap().connections, 7);
+        for (flag, name) in [
+            ("--header-timeout", "--header-timeout"),
+            ("--body-timeout", "--body-timeout"),
+            ("--max-connections", "--max-connections"),
+        ] {
+            assert!(
+                matches!(g(&[flag, "0"]), Err(ConfigError::Zero(n)) if n == name),
+                "{flag}"
+            );
+        }
+        assert!(matches!(
+            g(&["--max-buffered", "1MiB"]),
+            Err(ConfigError::BufferedBelowMaxBody { .. })
+        ));
+        assert!(g(&["--max-buffered", "1MiB", "--max-body", "1MiB"]).is_ok());
     }
 
     #[test]

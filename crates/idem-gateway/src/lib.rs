@@ -217,6 +217,7 @@
 
 mod config;
 mod guard;
+mod limits;
 mod proxy;
 mod server;
 mod store;
@@ -227,6 +228,7 @@ pub use config::{
     GatewayConfig, IpNet, DEFAULT_LISTEN, DEFAULT_PURGE_INTERVAL, DEFAULT_SHUTDOWN_GRACE,
     DEFAULT_STORE, DEFAULT_UPSTREAM_IDLE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
 };
+pub use config::{DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
 /// The response field that marks an answer given without protection
 /// (`Idempotency-Status: unprotected`, see [Store outages](#store-outages)).
 pub use idem_http::IDEMPOTENCY_STATUS;

@@ -23,10 +23,12 @@ use idem_http::{
 };
 use std::borrow::Cow;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::Layer;
 
 use crate::config::{show_scope, ConfigError, GatewayConfig};
 use crate::guard::{GuardedStore, Recent};
+use crate::limits::ConnectionCap;
 use crate::proxy::{self, error_chain, Proxy, Upstream, UpstreamClient};
 use crate::store::{open_store_with, StoreKind};
 
@@ -35,9 +37,6 @@ pub const RESERVED_PREFIX: &str = "/_idem/";
 
 /// How long `GET /_idem/health` waits for the store.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// How long a client may take to send a request's headers.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -225,10 +224,13 @@ impl Gateway {
             local_addr,
         } = self;
         log_startup(&config, kind, local_addr);
+        let cap = config.connection_cap()?;
+        log_connection_cap(&config, &cap);
         let purge = tokio::spawn(purge_loop(store.clone(), config.purge_interval));
         let routes = Routes::new(&config, store, kind, recent, upstream);
         let graceful = GracefulShutdown::new();
-        accept_until(listener, shutdown, &routes, &graceful).await;
+        let door = Door::new(config.header_timeout, cap.connections);
+        accept_until(listener, shutdown, &routes, &graceful, &door).await;
         drain(graceful, routes.layer.tracker(), config.shutdown_grace).await;
         purge.abort();
         Ok(())
@@ -282,6 +284,28 @@ fn log_startup(config: &GatewayConfig, kind: &'static str, local_addr: SocketAdd
         tracing::warn!(
             "--fail-open is ON: while the store is unreachable, requests go to the upstream \
              WITHOUT idempotency protection and a retried request can run twice"
+        );
+    }
+}
+
+/// Logs the connection cap in force, and warns when the file-descriptor
+/// limit lowered it.
+fn log_connection_cap(config: &GatewayConfig, cap: &ConnectionCap) {
+    tracing::info!(
+        max_connections = cap.connections,
+        nofile = cap.nofile.map_or_else(|| "unlimited".to_owned(), |n| n.to_string()),
+        fds_reserved = cap.reserve,
+        header_timeout = %humantime::format_duration(config.header_timeout),
+        body_timeout = %humantime::format_duration(config.layer.body_timeout),
+        max_buffered = config.layer.max_buffered,
+        "connection limits"
+    );
+    if cap.limited_by_nofile(config.max_connections) {
+        tracing::warn!(
+            max_connections = config.max_connections,
+            effective = cap.connections,
+            nofile = cap.nofile.unwrap_or(0),
+            "the file-descriptor limit (ulimit -n) lowers --max-connections; raise it to serve more connections"
         );
     }
 }
@@ -345,20 +369,32 @@ impl Routes {
 }
 
 /// Accepts connections until `shutdown` resolves, each served on its own
-/// task watched by `graceful`; then closes the listening socket.
+/// task watched by `graceful`; then closes the listening socket. At most
+/// `door.connections` are served at once: past it, nothing is accepted
+/// until one closes (new connections wait in the kernel's backlog, as
+/// nginx does when its `worker_connections` are used up).
 async fn accept_until(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
     routes: &Routes,
     graceful: &GracefulShutdown,
+    door: &Door,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
+        .header_read_timeout(door.header_timeout);
     tokio::pin!(shutdown);
     loop {
+        let slot = tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            slot = door.connections.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break, // never closed
+            },
+        };
         let accepted = tokio::select! {
             biased;
             () = &mut shutdown => break,
@@ -366,7 +402,20 @@ async fn accept_until(
         };
         match accepted {
             Ok((stream, peer)) => {
-                serve_connection(&builder, graceful, stream, peer, routes.root(peer));
+                let root = Tracked {
+                    inner: routes.root(peer),
+                    activity: Arc::new(tokio::sync::watch::Sender::new(0)),
+                    requests: door.requests.clone(),
+                };
+                serve_connection(
+                    &builder,
+                    graceful,
+                    stream,
+                    peer,
+                    root,
+                    slot,
+                    door.header_timeout,
+                );
             }
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
@@ -377,22 +426,166 @@ async fn accept_until(
     }
 }
 
-/// Serves one connection on a task of its own, watched by `graceful`.
+/// The limits every client connection is held to.
+struct Door {
+    /// See [`GatewayConfig::header_timeout`].
+    header_timeout: Duration,
+    /// One permit per client connection served.
+    connections: Arc<Semaphore>,
+    /// One permit per request in flight (its response body included), as
+    /// many as connections: an HTTP/2 connection's streams wait for one,
+    /// so the upstream never gets more connections than the cap.
+    requests: Arc<Semaphore>,
+}
+
+impl Door {
+    fn new(header_timeout: Duration, cap: usize) -> Self {
+        Self {
+            header_timeout,
+            connections: Arc::new(Semaphore::new(cap)),
+            requests: Arc::new(Semaphore::new(cap)),
+        }
+    }
+}
+
+/// Serves one connection on a task of its own, watched by `graceful`,
+/// holding its connection `slot` until it closes.
+///
+/// The connection is closed once it has had no request in flight for
+/// `header_timeout`: from accept (hyper's own header read timeout only
+/// starts once the first byte is in, and hyper-util's HTTP/1-or-2 sniffing
+/// waits for bytes without any deadline), and from the end of each
+/// response (the keep-alive idle time). A request counts as in flight from
+/// its complete head to the end of its response body, so a slow upload or
+/// a long download is not cut; those have their own deadlines
+/// (`--body-timeout`, `--upstream-timeout`). For HTTP/2 this closes a
+/// connection with no open stream, whatever pings or settings it sends.
 fn serve_connection(
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
     stream: TcpStream,
     peer: SocketAddr,
-    root: Root,
+    root: Tracked,
+    slot: OwnedSemaphorePermit,
+    header_timeout: Duration,
 ) {
     let watcher = graceful.watcher();
     let builder = builder.clone();
+    let mut activity = root.activity.subscribe();
     tokio::spawn(async move {
+        let _slot = slot;
         let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(root));
-        if let Err(e) = watcher.watch(conn).await {
+        let conn = watcher.watch(conn);
+        tokio::pin!(conn);
+        let result = loop {
+            let busy = *activity.borrow_and_update();
+            let idle = async {
+                if busy == 0 {
+                    tokio::time::sleep(header_timeout).await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                r = &mut conn => break r,
+                _ = activity.changed() => {}
+                () = idle => {
+                    tracing::debug!(%peer, "closing a connection without a request for --header-timeout");
+                    return;
+                }
+            }
+        };
+        if let Err(e) = result {
             tracing::debug!(%peer, error = %error_chain(&*e), "connection closed with an error");
         }
     });
+}
+
+/// The service of one connection: counts its requests in flight (from the
+/// complete head to the end of the response body) for the idle deadline,
+/// and holds a request permit for each.
+#[derive(Clone)]
+struct Tracked {
+    inner: Root,
+    activity: Arc<tokio::sync::watch::Sender<usize>>,
+    requests: Arc<Semaphore>,
+}
+
+/// One request in flight on a connection; dropped with the response body.
+struct Busy {
+    activity: Arc<tokio::sync::watch::Sender<usize>>,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Busy {
+    fn new(activity: Arc<tokio::sync::watch::Sender<usize>>) -> Self {
+        activity.send_modify(|n| *n += 1);
+        Self {
+            activity,
+            _permit: None,
+        }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.activity.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that keeps its request counted as in flight.
+    struct BusyBody {
+        #[pin]
+        inner: BoxBody,
+        busy: Busy,
+    }
+}
+
+impl http_body::Body for BusyBody {
+    type Data = bytes::Bytes;
+    type Error = idem_http::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        self.project().inner.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl tower_service::Service<Request<Incoming>> for Tracked {
+    type Response = Response<BusyBody>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<BusyBody>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        tower_service::Service::<Request<Incoming>>::poll_ready(&mut self.inner, cx)
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let mut busy = Busy::new(self.activity.clone());
+        let requests = self.requests.clone();
+        // Call the service that was driven to readiness; leave a clone.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(async move {
+            busy._permit = requests.acquire_owned().await.ok();
+            let resp = match tower_service::Service::call(&mut inner, req).await {
+                Ok(resp) => resp,
+                Err(never) => match never {},
+            };
+            Ok(resp.map(|inner| BusyBody { inner, busy }))
+        })
+    }
 }
 
 /// Waits, for at most `grace` in all, for the open connections to finish

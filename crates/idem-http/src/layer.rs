@@ -9,6 +9,7 @@ use idem_core::{DynStore, Engine, Scope, Store};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
+use crate::budget::BodyBudget;
 use crate::options::{FailOpenGuard, Options};
 use crate::policy::Disposition;
 use crate::scope::ScopeBy;
@@ -57,7 +58,10 @@ pub struct IdempotencyLayer {
     options: Options,
     tracker: TaskTracker,
     /// The live tokens this layer issued (shared by its clones and services).
-    budget: Arc<TokenBudget>,
+    live_tokens: Arc<TokenBudget>,
+    /// The bytes of buffered request bodies, shared by every service made
+    /// ([`Options::max_buffered`]).
+    body_budget: BodyBudget,
 }
 
 impl IdempotencyLayer {
@@ -72,9 +76,10 @@ impl IdempotencyLayer {
     pub fn from_parts(store: DynStore, options: Options) -> Self {
         Self {
             store,
+            body_budget: BodyBudget::new(options.max_buffered),
             options,
             tracker: TaskTracker::new(),
-            budget: Arc::default(),
+            live_tokens: Arc::default(),
         }
     }
 
@@ -139,7 +144,40 @@ impl IdempotencyLayer {
     /// assert!(layer.options().require_key);
     /// ```
     pub fn with_options(mut self, options: Options) -> Self {
+        self.body_budget = BodyBudget::new(options.max_buffered);
         self.options = options;
+        self
+    }
+
+    /// The most bytes of guarded request bodies held in memory at once by
+    /// every service of this layer (default 256 MiB; see
+    /// [`Options::max_buffered`]); beyond it a request gets 503
+    /// `urn:idem:problem:overloaded` before its body is read. Starts a new
+    /// budget: services made before keep the old one.
+    ///
+    /// ```
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_max_buffered(64 * 1024 * 1024);
+    /// assert_eq!(layer.options().max_buffered, 64 << 20);
+    /// ```
+    pub fn with_max_buffered(mut self, max_buffered: usize) -> Self {
+        self.options.max_buffered = max_buffered;
+        self.body_budget = BodyBudget::new(max_buffered);
+        self
+    }
+
+    /// The longest reading a guarded request body may take in all (default
+    /// 30 s; see [`Options::body_timeout`]); past it, 408
+    /// `urn:idem:problem:body-timeout` and the key is not touched.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_body_timeout(Duration::from_secs(5));
+    /// assert_eq!(layer.options().body_timeout, Duration::from_secs(5));
+    /// ```
+    pub fn with_body_timeout(mut self, body_timeout: Duration) -> Self {
+        self.options.body_timeout = body_timeout;
         self
     }
 
@@ -344,7 +382,7 @@ impl IdempotencyLayer {
         if scope == Scope::anonymous() && !self.options.anonymous_tokens {
             return Err(TokenIssueError::ScopeRequired);
         }
-        let room = self.budget.reserve(
+        let room = self.live_tokens.reserve(
             &scope,
             std::time::Instant::now(),
             self.options.tokens_per_scope,
@@ -368,7 +406,8 @@ impl<S> Layer<S> for IdempotencyLayer {
             engine,
             Arc::new(self.options.clone()),
             self.tracker.clone(),
-            self.budget.clone(),
+            self.live_tokens.clone(),
+            self.body_budget.clone(),
         )
     }
 }

@@ -95,6 +95,7 @@
 //! ```
 
 mod body;
+mod budget;
 pub mod fingerprint;
 mod future;
 pub mod key;
@@ -119,6 +120,7 @@ pub use options::{
     FailOpenGuard, Options, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT,
     DEFAULT_TOKEN_TTL,
 };
+pub use options::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BUFFERED};
 pub use path::{normalize_path, PathError};
 pub use policy::{default_policy, Disposition};
 pub use problem::{problem, Problem, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};

@@ -19,6 +19,11 @@ pub const DEFAULT_MAX_BODY: usize = 10 * 1024 * 1024;
 pub const DEFAULT_RETENTION_LIMIT: usize = 1024 * 1024;
 /// How long a submit token may be used for a first submit by default: 1 h.
 pub const DEFAULT_TOKEN_TTL: Duration = Duration::from_secs(3600);
+/// How long reading a guarded request body may take in all by default: 30 s.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes of guarded request bodies buffered at once across all requests by
+/// default: 256 MiB (268,435,456).
+pub const DEFAULT_MAX_BUFFERED: usize = 256 * 1024 * 1024;
 
 /// Decides whether a guarded request may run *unprotected* when the store
 /// failed before the inner service was called (fail-open; see
@@ -111,6 +116,29 @@ pub struct Options {
     /// `MemoryLimits::max_entries`, 1,000,000 by default). Counted per
     /// layer, so per gateway instance.
     pub max_live_tokens: usize,
+    /// The longest reading a guarded request body may take in all, from
+    /// the moment the layer starts reading it to its last byte (default
+    /// [`DEFAULT_BODY_TIMEOUT`], 30 s). A body still incomplete then gets
+    /// 408 `urn:idem:problem:body-timeout` with `Connection: close`
+    /// (RFC 9110 §15.5.9); the key is not touched and the bytes read so far
+    /// are freed. A total deadline, not an idle one: a body that trickles a
+    /// byte a second is cut off too. Must be above 0.
+    pub body_timeout: Duration,
+    /// The most bytes of guarded request bodies held in memory at once by
+    /// all the services of one [`crate::IdempotencyLayer`] (default
+    /// [`DEFAULT_MAX_BUFFERED`], 256 MiB). A request reserves its
+    /// `Content-Length` before its body is read; one without a length
+    /// reserves each chunk as it arrives. When the budget has no room, the
+    /// answer is 503 `urn:idem:problem:overloaded` with `Retry-After: 1`
+    /// (RFC 9110 §15.6.4, §10.2.3) and `Connection: close`, before the
+    /// body is read (or as soon as the chunk that does not fit arrives);
+    /// the key is not touched. The bytes are given back when the buffered
+    /// body is dropped (after the inner service has consumed it). Keep it
+    /// at least `max_body`, or bodies between the two are always refused.
+    /// Read when the layer is built: set it with
+    /// [`crate::IdempotencyLayer::with_max_buffered`] or
+    /// [`crate::IdempotencyLayer::with_options`].
+    pub max_buffered: usize,
 }
 
 impl Default for Options {
@@ -132,6 +160,8 @@ impl Default for Options {
             anonymous_tokens: false,
             tokens_per_scope: crate::tokens::DEFAULT_TOKENS_PER_SCOPE,
             max_live_tokens: crate::tokens::DEFAULT_MAX_LIVE_TOKENS,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
+            max_buffered: DEFAULT_MAX_BUFFERED,
         }
     }
 }
@@ -252,6 +282,8 @@ mod tests {
         assert_eq!(o.tokens_per_scope, 100);
         assert_eq!(o.max_live_tokens, 100_000);
         assert!(o.validate().is_ok());
+        assert_eq!(o.body_timeout, Duration::from_secs(30));
+        assert_eq!(o.max_buffered, 256 * 1024 * 1024);
     }
 
     #[test]

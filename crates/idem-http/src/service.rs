@@ -16,6 +16,7 @@ use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
 use crate::body::{full, Prefixed};
+use crate::budget::{BodyBudget, Reservation};
 use crate::fingerprint::request_fingerprint;
 use crate::future::ResponseFuture;
 use crate::key::{
@@ -57,7 +58,9 @@ pub struct IdempotencyService<S> {
     options: Arc<Options>,
     tracker: TaskTracker,
     /// The layer's live submit tokens (a used token stops counting).
-    budget: Arc<TokenBudget>,
+    live_tokens: Arc<TokenBudget>,
+    /// The layer's budget of buffered body bytes.
+    body_budget: BodyBudget,
 }
 
 impl<S> IdempotencyService<S> {
@@ -66,14 +69,16 @@ impl<S> IdempotencyService<S> {
         engine: Engine<DynStore>,
         options: Arc<Options>,
         tracker: TaskTracker,
-        budget: Arc<TokenBudget>,
+        live_tokens: Arc<TokenBudget>,
+        body_budget: BodyBudget,
     ) -> Self {
         Self {
             inner,
             engine,
             options,
             tracker,
-            budget,
+            live_tokens,
+            body_budget,
         }
     }
 
@@ -196,8 +201,9 @@ where
             scope,
             key,
             token,
-            budget: self.budget.clone(),
+            live_tokens: self.live_tokens.clone(),
             log,
+            body_budget: self.body_budget.clone(),
         };
         guarded.respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
     }
@@ -211,8 +217,10 @@ struct Guarded {
     key: IdempotencyKey,
     /// The key must be a live submit token ([`crate::Options::require_token`]).
     token: bool,
-    budget: Arc<TokenBudget>,
+    live_tokens: Arc<TokenBudget>,
     log: LogCtx,
+    /// The layer's budget of buffered body bytes.
+    body_budget: BodyBudget,
 }
 
 impl Guarded {
@@ -240,25 +248,21 @@ impl Guarded {
         RB::Error: Into<BoxError>,
     {
         ResponseFuture::new(async move {
-            let max_body = self.options.max_body;
             let log = self.log.clone();
             let (parts, body) = req.into_parts();
-            let bytes = match Limited::new(body, max_body).collect().await {
-                Ok(collected) => collected.to_bytes(),
-                Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-                    return Ok(log.rejected(too_large(max_body)));
-                }
-                Err(e) => {
-                    return Ok(log.rejected(Problem::new(
-                        StatusCode::BAD_REQUEST,
-                        "body-unreadable",
-                        format!("The request body could not be read: {e}"),
-                    )));
-                }
-            };
+            let reservation = self.body_budget.reservation();
+            let declared = content_length(&parts.headers);
+            let (bytes, reservation) =
+                match read_body(body, declared, &self.options, reservation).await {
+                    Ok(read) => read,
+                    Err(refused) => return Ok(log.rejected(refused)),
+                };
             let fingerprint =
                 request_fingerprint(&parts.method, &parts.uri, &parts.headers, &bytes);
-            let req = Request::from_parts(parts, full(bytes));
+            // The reserved bytes go back to the budget when the inner
+            // service drops the buffered body.
+            let body = Reserved::new(full(bytes), reservation).boxed_unsync();
+            let req = Request::from_parts(parts, body);
             let job = self.run::<S, F, E, RB>(inner, req, fingerprint);
             match tokio::runtime::Handle::try_current() {
                 Ok(rt) => match tracker.spawn_on(job, &rt).await {
@@ -307,8 +311,9 @@ impl Guarded {
             scope,
             key,
             token,
-            budget,
+            live_tokens,
             log,
+            body_budget: _,
         } = self;
         let policy = options.policy;
         let retention_limit = options.retention_limit;
@@ -348,7 +353,7 @@ impl Guarded {
                             | Outcome::Mismatch
                     ))
             ) {
-                budget.consume(&scope, key.as_str());
+                live_tokens.consume(&scope, key.as_str());
             }
             match outcome {
                 Ok(TokenOutcome::Keyed(outcome)) => Ok(outcome),
@@ -559,6 +564,121 @@ pub(crate) fn ambiguous_path(e: &PathError) -> Problem {
              rule about it could hold; send the path in plain form."
         ),
     )
+}
+
+/// Reads a guarded request body within [`Options::body_timeout`] in all,
+/// at most [`Options::max_body`] bytes, each byte reserved on the layer's
+/// budget first (the declared length up front, else chunk by chunk).
+///
+/// Refusals (the key is untouched): 413 `body-too-large`, 503
+/// `overloaded` when the budget has no room, 408 `body-timeout`, 400
+/// `body-unreadable`. The bytes read so far and their reservation are
+/// dropped with the refusal.
+async fn read_body<B>(
+    body: B,
+    declared: Option<u64>,
+    options: &Options,
+    mut reservation: Reservation,
+) -> Result<(Bytes, Reservation), Problem>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let max_body = options.max_body;
+    let mut buf = BytesMut::new();
+    if let Some(len) = declared {
+        // `call` refused a declared length above max_body.
+        let len = usize::try_from(len).unwrap_or(usize::MAX).min(max_body);
+        reservation.grow_to(len).map_err(|_| overloaded())?;
+        buf.reserve(len);
+    }
+    let read = async {
+        let mut body = std::pin::pin!(Limited::new(body, max_body));
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| {
+                if e.downcast_ref::<LengthLimitError>().is_some() {
+                    too_large(max_body)
+                } else {
+                    Problem::new(
+                        StatusCode::BAD_REQUEST,
+                        "body-unreadable",
+                        format!("The request body could not be read: {e}"),
+                    )
+                }
+            })?;
+            if let Ok(data) = frame.into_data() {
+                reservation
+                    .grow_to(buf.len() + data.len())
+                    .map_err(|_| overloaded())?;
+                buf.extend_from_slice(&data);
+            }
+        }
+        Ok::<_, Problem>(())
+    };
+    match tokio::time::timeout(options.body_timeout, read).await {
+        Ok(Ok(())) => Ok((buf.freeze(), reservation)),
+        Ok(Err(problem)) => Err(problem),
+        Err(_) => Err(Problem::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "body-timeout",
+            format!(
+                "The request body did not arrive within {} ms; nothing was run and the \
+                 Idempotency-Key was not used. Send the request again.",
+                options.body_timeout.as_millis()
+            ),
+        )
+        .with_member("body_timeout_ms", options.body_timeout.as_millis() as u64)
+        .with_header(header::CONNECTION, HeaderValue::from_static("close"))),
+    }
+}
+
+/// 503 `overloaded`: the layer's budget of buffered body bytes
+/// ([`Options::max_buffered`]) has no room for this body.
+fn overloaded() -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "overloaded",
+        "Too many request bodies are being received at once; this one was not read and \
+         nothing was run. Retry later with the same Idempotency-Key.",
+    )
+    .with_header(header::RETRY_AFTER, HeaderValue::from(1u32))
+    .with_header(header::CONNECTION, HeaderValue::from_static("close"))
+}
+
+pin_project_lite::pin_project! {
+    /// A buffered request body that holds its bytes' [`Reservation`] until
+    /// it is dropped.
+    struct Reserved {
+        #[pin]
+        inner: BoxBody,
+        reservation: Reservation,
+    }
+}
+
+impl Reserved {
+    fn new(inner: BoxBody, reservation: Reservation) -> Self {
+        Self { inner, reservation }
+    }
+}
+
+impl Body for Reserved {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        self.project().inner.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -668,3 +668,36 @@ pub async fn pay(c: &reqwest::Client, url: &str, key: &str) -> Result<Got, reqwe
         body,
     })
 }
+
+// ------------------------------------------------------------------ conns
+// (added by the "conns" helper: connection limits)
+
+impl GatewayProc {
+    /// Like [`GatewayProc::start`], with the gateway run by `wrapper`
+    /// (e.g. `["prlimit", "--nofile=64:64", "--"]`).
+    pub async fn start_under(dir: &Path, name: &str, wrapper: &[&str], args: &[&str]) -> Self {
+        let addr = free_addr();
+        let log = dir.join(format!("{name}.log"));
+        let mut cmd = Command::new(wrapper[0]);
+        for (var, _) in std::env::vars_os() {
+            if var.to_string_lossy().starts_with("IDEM_") {
+                cmd.env_remove(var);
+            }
+        }
+        cmd.env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .args(&wrapper[1..])
+            .arg(env!("CARGO_BIN_EXE_idem"))
+            .arg("gateway")
+            .arg("--listen")
+            .arg(addr.to_string())
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(File::create(&log).unwrap());
+        let child = cmd.spawn().expect("spawn idem gateway");
+        let mut gw = GatewayProc { child, addr, log };
+        gw.wait_healthy().await;
+        gw
+    }
+}
