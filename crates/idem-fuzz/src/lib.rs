@@ -17,8 +17,11 @@ use idem_http::fingerprint::{canonical_json, is_json_media_type, request_fingerp
 use idem_http::key::parse_key;
 use idem_http::ScopeBy;
 
+/// A target's body: takes the fuzzer's bytes, panics on a broken property.
+pub type Body = fn(&[u8]);
+
 /// Every target: its name (the folder of its corpus) and its body.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Body)] = &[
     ("key", key),
     ("core_key", core_key),
     ("scope", scope),
