@@ -32,6 +32,7 @@ pub const TARGETS: &[(&str, Body)] = &[
     ("upstream", upstream),
     ("store_url", store_url),
     ("response", response),
+    ("path", path),
 ];
 
 /// The bytes as text (lossy), for parsers that take `&str`.
@@ -264,4 +265,25 @@ pub fn response(data: &[u8]) {
     expected[1] = u8::from(expected[1] != 0);
     assert_eq!(bytes, expected);
     assert_eq!(StoredResponse::decode(&bytes), Ok(r));
+}
+
+/// [`idem_http::path::normalize_path`]: never a panic; a normalised path
+/// starts with `/`, holds no `//`, `/./` or `/../`, does not end in `/.`
+/// or `/..`, and normalising it again gives it back unchanged (borrowed).
+pub fn path(data: &[u8]) {
+    let s = text(data);
+    let Ok(n) = idem_http::path::normalize_path(&s) else {
+        return;
+    };
+    assert!(n.starts_with('/'), "{n}");
+    for bad in ["//", "/./", "/../"] {
+        assert!(!n.contains(bad), "{s:?} -> {n:?}");
+    }
+    assert!(!n.ends_with("/.") && !n.ends_with("/.."), "{s:?} -> {n:?}");
+    let again = idem_http::path::normalize_path(&n).expect("a normalised path is accepted");
+    assert!(
+        matches!(again, std::borrow::Cow::Borrowed(_)),
+        "{n:?} changed"
+    );
+    assert_eq!(again, n);
 }
