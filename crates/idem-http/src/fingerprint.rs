@@ -28,9 +28,10 @@
 //! (JavaScript, serde_json, Python's `repr`), such as
 //! `0.30000000000000004`. The exception is a 17-digit double exactly
 //! halfway between two shortest candidates (`1466536241731893.25` may be
-//! written `…893.2` or `…893.3`): only the one Rust's formatter picks is
-//! kept, the other is hashed raw, so two different amounts still never
-//! meet. Other bodies are hashed as raw bytes.
+//! written `…893.2` or `…893.3`): only the one the canonical form writes
+//! (RFC 8785, ECMAScript's `Number::toString`) is kept, the other is hashed
+//! raw, so two different amounts still never meet and the canonical form
+//! of a kept body is kept again. Other bodies are hashed as raw bytes.
 
 use std::fmt;
 
@@ -183,7 +184,11 @@ fn numbers_fit_doubles(json: &[u8]) -> bool {
 }
 
 /// Whether the JSON number `text` has the decimal value of the shortest
-/// round-trip decimal of its double (Rust's `{:e}` formatting).
+/// round-trip decimal of its double as the canonical form writes it
+/// (RFC 8785 §3.2.2.3, ECMAScript's `Number::toString`). Where two shortest
+/// decimals tie, the canonical form's choice is the one kept, so the
+/// canonical form of an accepted body is itself accepted (canonicalising
+/// twice gives the same bytes).
 fn fits_double(text: &str) -> bool {
     if short_plain_decimal(text) {
         return true;
@@ -194,7 +199,10 @@ fn fits_double(text: &str) -> bool {
     if !double.is_finite() {
         return false;
     }
-    match (Decimal::parse(text), Decimal::parse(&format!("{double:e}"))) {
+    let Ok(canonical) = serde_json_canonicalizer::to_string(&double) else {
+        return false;
+    };
+    match (Decimal::parse(text), Decimal::parse(&canonical)) {
         (Some(written), Some(shortest)) => written == shortest,
         _ => false,
     }
@@ -499,10 +507,23 @@ mod tests {
             canonical_json(b"[0.30000000000000004, 5e-324, 1.7976931348623157e-300]").unwrap(),
             b"[0.30000000000000004,5e-324,1.7976931348623157e-300]"
         );
-        // A tie between two shortest forms: only one is kept.
-        assert!(fits_double("-1466536241731893.3"));
-        assert!(!fits_double("-1466536241731893.2"));
-        assert_ne!(json("[1466536241731893.3]"), json("[1466536241731893.2]"));
+        // A tie between two shortest forms: only the canonical form's
+        // choice is kept, so the canonical form is canonical again (found by
+        // the `json` fuzz target: `[888888888888888.3]` was kept and
+        // written `[888888888888888.2]`, which was then refused).
+        for (kept, refused) in [
+            ("-1466536241731893.2", "-1466536241731893.3"),
+            ("888888888888888.2", "888888888888888.3"),
+        ] {
+            assert!(fits_double(kept), "{kept}");
+            assert!(!fits_double(refused), "{refused}");
+            let body = format!("[{kept}]");
+            let canonical = canonical_json(body.as_bytes()).unwrap();
+            assert_eq!(canonical, body.as_bytes());
+            assert_eq!(canonical_json(&canonical).unwrap(), canonical);
+            assert_eq!(canonical_json(format!("[{refused}]").as_bytes()), None);
+            assert_ne!(json(&body), json(&format!("[{refused}]")));
+        }
         // 15 significant digits always fit.
         assert!(
             canonical_json(b"[123456789012345, 0.123456789012345, 9.99999999999999e-300]")
@@ -657,8 +678,8 @@ mod tests {
                 .prop_filter("finite, below 2^53", |f| f.is_finite()
                     && f.abs() < (1u64 << 53) as f64)
                 // Ties between two shortest forms (see the module docs).
-                .prop_filter("written as Rust's shortest form", |f| fits_double(
-                    &serde_json::to_string(f).unwrap()
+                .prop_filter("written as the canonical form writes it", |f| fits_double(
+                    &serde_json_canonicalizer::to_string(f).unwrap()
                 ))
                 .prop_map(Value::from),
             "\\PC{0,12}".prop_map(Value::String),
