@@ -443,11 +443,12 @@ mod tests {
         }
     }
 
-    /// A guarded memory store (with `recent`) whose next `begin` answers
-    /// only after 2 s, far past the 300 ms timeout.
+    /// A guarded memory store (with `recent`) whose next `begin` claims the
+    /// key at once but answers only after 2 s, far past the 300 ms timeout
+    /// (a claim on the wire when the store stalled).
     fn slow_begin(recent: Option<Arc<Recent>>) -> (FaultyStore<MemoryStore>, GuardedStore) {
         let faulty = FaultyStore::new(MemoryStore::new());
-        faulty.set_times(Op::Begin, Fault::Delay(Duration::from_secs(2)), 1);
+        faulty.set_times(Op::Begin, Fault::DelayAnswer(Duration::from_secs(2)), 1);
         let guarded = GuardedStore::new(Arc::new(faulty.clone()), TIMEOUT, recent);
         (faulty, guarded)
     }
@@ -527,7 +528,7 @@ mod tests {
     async fn releasing_a_late_claim_never_frees_a_newer_one() {
         let clock = ManualClock::starting_now();
         let faulty = FaultyStore::new(MemoryStore::new().with_clock(clock.clone()));
-        faulty.set_times(Op::Begin, Fault::Delay(Duration::from_secs(2)), 1);
+        faulty.set_times(Op::Begin, Fault::DelayAnswer(Duration::from_secs(2)), 1);
         // Attempts at 2.0, 2.1, 2.3, 2.7 s fail; the last, at 3.5 s, reaches the store.
         faulty.set_times(Op::Release, Fault::Unavailable, 4);
         let store = GuardedStore::new(Arc::new(faulty.clone()), TIMEOUT, None);
@@ -563,7 +564,7 @@ mod tests {
         assert!(matches!(b, Begin::InFlight { .. }), "{b:?}");
 
         // One it did not forward is released, and still counts as seen.
-        faulty.set_times(Op::Begin, Fault::Delay(Duration::from_secs(2)), 1);
+        faulty.set_times(Op::Begin, Fault::DelayAnswer(Duration::from_secs(2)), 1);
         timed_out_begin(&store, &kept).await;
         tokio::time::sleep(Duration::from_secs(3)).await;
         assert_eq!(faulty.calls(Op::Release), 1);

@@ -115,9 +115,13 @@ pub struct StoreOptions {
     /// pooled connection, opening one, and the statement or script itself.
     /// Also the store's connect timeout at startup, PostgreSQL's
     /// `statement_timeout`, MySQL's `innodb_lock_wait_timeout` and statement
-    /// time limit, Redis's response and connection timeouts, SQLite's busy
-    /// timeout. A call cut off by it fails with [`StoreError::Timeout`]; its
-    /// effect is unknown.
+    /// time limit, Redis's connection timeout, SQLite's busy timeout. A call
+    /// cut off by it fails with [`StoreError::Timeout`]; its effect is
+    /// unknown. The stores' own client-side deadlines are longer (about
+    /// `2 × timeout + 2 s`: PostgreSQL's and MySQL's per statement, Redis's
+    /// response timeout), so a `begin` cut off here still hears the store's
+    /// late answer and the gateway releases a claim that landed after its
+    /// caller gave up.
     pub timeout: Duration,
 }
 
@@ -340,9 +344,13 @@ pub async fn open_store_with(url: &str, options: &StoreOptions) -> Result<DynSto
         }
         #[cfg(feature = "redis")]
         StoreUrl::Redis(u) => {
+            // The response timeout outlasts the gateway's bound on each call
+            // (like the SQL stores' client-side deadlines): a script sent
+            // before Redis stalled is still answered, so a claim that lands
+            // after its caller timed out can be released (see `guard`).
             let o = u
                 .options
-                .with_response_timeout(t)
+                .with_response_timeout(t.saturating_mul(2).saturating_add(Duration::from_secs(2)))
                 .with_connection_timeout(t);
             Arc::new(idem_redis::RedisStore::connect_with(u.url.expose(), o).await?)
         }

@@ -93,11 +93,16 @@ pub enum Fault {
     Hang,
     /// Waits this long, then passes the call through.
     Delay(Duration),
+    /// Passes the call through at once, then holds its answer back this
+    /// long: the store applied the step, the caller hears late (a request
+    /// already on the wire when the store stalled). A caller that gives up
+    /// meanwhile leaves the step applied.
+    DelayAnswer(Duration),
 }
 
 impl Fault {
-    /// The error this fault returns for `op`; `None` for [`Fault::Hang`]
-    /// and [`Fault::Delay`].
+    /// The error this fault returns for `op`; `None` for [`Fault::Hang`],
+    /// [`Fault::Delay`] and [`Fault::DelayAnswer`].
     pub fn error(self, op: Op) -> Option<StoreError> {
         let phase = op.phase();
         match self {
@@ -110,7 +115,7 @@ impl Fault {
             Fault::Full(detail) => Some(StoreError::Full {
                 detail: detail.to_owned(),
             }),
-            Fault::Hang | Fault::Delay(_) => None,
+            Fault::Hang | Fault::Delay(_) | Fault::DelayAnswer(_) => None,
         }
     }
 }
@@ -252,17 +257,30 @@ impl<S> FaultyStore<S> {
     }
 
     /// What a call of `op` meets before it reaches the inner store: an
-    /// error, a hang, a delay, or nothing.
-    async fn gate(&self, op: Op) -> Res<()> {
+    /// error, a hang, a delay, or nothing. `Ok(Some(d))`: pass through,
+    /// then hold the answer back for `d` ([`Fault::DelayAnswer`]).
+    async fn gate(&self, op: Op) -> Res<Option<Duration>> {
         match self.take(op) {
-            None => Ok(()),
+            None => Ok(None),
             Some(Fault::Hang) => std::future::pending().await,
             Some(Fault::Delay(d)) => {
                 tokio::time::sleep(d).await;
-                Ok(())
+                Ok(None)
             }
+            Some(Fault::DelayAnswer(d)) => Ok(Some(d)),
             Some(fault) => Err(fault.error(op).expect("an error fault")),
         }
+    }
+
+    /// Runs `op`'s call through its gate, then hands back the inner
+    /// store's answer (late, for [`Fault::DelayAnswer`]).
+    async fn pass<T>(&self, op: Op, call: impl std::future::Future<Output = Res<T>>) -> Res<T> {
+        let hold = self.gate(op).await?;
+        let answer = call.await;
+        if let Some(d) = hold {
+            tokio::time::sleep(d).await;
+        }
+        answer
     }
 }
 
@@ -272,43 +290,42 @@ type Res<T> = Result<T, StoreError>;
 #[async_trait]
 impl<S: Store> Store for FaultyStore<S> {
     async fn begin(&self, req: &BeginRequest) -> Res<Begin> {
-        self.gate(Op::Begin).await?;
-        self.inner.begin(req).await
+        self.pass(Op::Begin, self.inner.begin(req)).await
     }
 
     async fn complete(&self, lease: &Lease, response: &StoredResponse, ttl: Duration) -> Res<()> {
-        self.gate(Op::Complete).await?;
-        self.inner.complete(lease, response, ttl).await
+        self.pass(Op::Complete, self.inner.complete(lease, response, ttl))
+            .await
     }
 
     async fn release(&self, lease: &Lease) -> Res<()> {
-        self.gate(Op::Release).await?;
-        self.inner.release(lease).await
+        self.pass(Op::Release, self.inner.release(lease)).await
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Res<Lease> {
-        self.gate(Op::Extend).await?;
-        self.inner.extend(lease, lease_for).await
+        self.pass(Op::Extend, self.inner.extend(lease, lease_for))
+            .await
     }
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Res<Option<Record>> {
-        self.gate(Op::Get).await?;
-        self.inner.get(scope, key).await
+        self.pass(Op::Get, self.inner.get(scope, key)).await
     }
 
     async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Res<bool> {
-        self.gate(Op::Delete).await?;
-        self.inner.delete(scope, key).await
+        self.pass(Op::Delete, self.inner.delete(scope, key)).await
     }
 
     async fn purge_expired(&self) -> Res<u64> {
-        self.gate(Op::PurgeExpired).await?;
-        self.inner.purge_expired().await
+        self.pass(Op::PurgeExpired, self.inner.purge_expired())
+            .await
     }
 
     async fn wait_for_change(&self, scope: &Scope, key: &IdempotencyKey, max: Duration) -> Res<()> {
-        self.gate(Op::WaitForChange).await?;
-        self.inner.wait_for_change(scope, key, max).await
+        self.pass(
+            Op::WaitForChange,
+            self.inner.wait_for_change(scope, key, max),
+        )
+        .await
     }
 }
 

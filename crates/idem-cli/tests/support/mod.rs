@@ -701,3 +701,37 @@ impl GatewayProc {
         gw
     }
 }
+
+// ------------------------------------------------------------------ ghost
+// (added by the "ghost" helper: a store paused mid-claim)
+
+impl RedisProc {
+    /// SIGSTOPs this private server until the returned guard is dropped
+    /// (SIGCONT). Its connections stay open: what clients send meanwhile
+    /// waits unanswered in its socket buffers and runs when it resumes.
+    /// Never used on the shared servers.
+    pub fn pause(&self) -> RedisPaused {
+        let pid = self.child.as_ref().expect("redis-server running").id();
+        redis_signal(pid, "-STOP");
+        RedisPaused { pid }
+    }
+}
+
+/// A paused private `redis-server`; dropping it resumes the server.
+pub struct RedisPaused {
+    pid: u32,
+}
+
+impl Drop for RedisPaused {
+    fn drop(&mut self) {
+        redis_signal(self.pid, "-CONT");
+    }
+}
+
+fn redis_signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid} failed");
+}
