@@ -512,6 +512,9 @@ impl GatewayConfig {
             self.store_options.pool_size,
             crate::limits::nofile(),
         )
+        .map_err(|crate::limits::NoRoom { nofile, reserve }| {
+            ConfigError::NoRoomForConnections { nofile, reserve }
+        })
     }
 
     /// Checks the settings together.

@@ -3,8 +3,6 @@
 //! (`RLIMIT_NOFILE`) leaves once the store and the upstream have their
 //! share.
 
-use crate::config::ConfigError;
-
 /// File descriptors kept for everything but client connections and their
 /// upstream connections: standard streams, the listening socket, the
 /// runtime's epoll and wake-up descriptors, a log file, DNS look-ups, a
@@ -53,20 +51,20 @@ pub(crate) fn nofile() -> Option<u64> {
 /// `min(max_connections, (nofile − pool_size − SLACK_FDS) / 2)`.
 ///
 /// # Errors
-/// [`ConfigError::NoRoomForConnections`] when the limit leaves room for no
-/// connection at all.
+/// [`NoRoom`] when the limit leaves room for no connection at all (the
+/// configuration reports it as `ConfigError::NoRoomForConnections`).
 pub(crate) fn connection_cap(
     max_connections: usize,
     pool_size: u32,
     nofile: Option<u64>,
-) -> Result<ConnectionCap, ConfigError> {
+) -> Result<ConnectionCap, NoRoom> {
     let reserve = u64::from(pool_size) + SLACK_FDS;
     let connections = match nofile {
         None => max_connections,
         Some(n) => {
             let room = n.saturating_sub(reserve) / 2;
             if room == 0 {
-                return Err(ConfigError::NoRoomForConnections { nofile: n, reserve });
+                return Err(NoRoom { nofile: n, reserve });
             }
             usize::try_from(room).map_or(max_connections, |r| r.min(max_connections))
         }
@@ -76,6 +74,15 @@ pub(crate) fn connection_cap(
         nofile,
         reserve,
     })
+}
+
+/// A descriptor limit that leaves room for no client connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NoRoom {
+    /// The soft limit read at start.
+    pub(crate) nofile: u64,
+    /// The descriptors kept back.
+    pub(crate) reserve: u64,
 }
 
 #[cfg(test)]
@@ -96,10 +103,7 @@ mod tests {
         assert_eq!(connection_cap(100, 16, Some(50)).unwrap().connections, 1);
         for tight in [49, 48, 20, 0] {
             assert!(
-                matches!(
-                    connection_cap(100, 16, Some(tight)),
-                    Err(ConfigError::NoRoomForConnections { .. })
-                ),
+                matches!(connection_cap(100, 16, Some(tight)), Err(NoRoom { .. })),
                 "{tight}"
             );
         }
