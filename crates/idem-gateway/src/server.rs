@@ -791,9 +791,23 @@ fn check_host<B>(req: &Request<B>) -> Result<(), Response<BoxBody>> {
         (None, _) if req.version() == http::Version::HTTP_11 => {
             refuse("an HTTP/1.1 request must carry a Host field")
         }
+        (None, _) if req.version() == http::Version::HTTP_2 && req.uri().authority().is_none() => {
+            refuse("an HTTP/2 request must carry :authority or a Host field")
+        }
         (None, _) => Ok(()),
         (Some(_), Some(_)) => refuse("the request has more than one Host field; send exactly one"),
         (Some(h), None) => match http::uri::Authority::try_from(h.as_bytes()) {
+            // RFC 9113 §8.3.1: a Host that names another entity than
+            // :authority makes an HTTP/2 request malformed.
+            Ok(a)
+                if req.version() == http::Version::HTTP_2
+                    && req
+                        .uri()
+                        .authority()
+                        .is_some_and(|t| !t.as_str().eq_ignore_ascii_case(a.as_str())) =>
+            {
+                refuse("the Host field differs from :authority (RFC 9113, section 8.3.1)")
+            }
             Ok(a) if !a.as_str().contains('@') && !a.host().is_empty() => Ok(()),
             _ => refuse("the Host field is not a valid host[:port]"),
         },

@@ -73,4 +73,25 @@ async fn http2_lowercase_methods_are_refused_and_authority_is_enough() {
     let resp = send.send_request(req("POST", "/%6Frders")).await.unwrap();
     assert_eq!(resp.status(), 201);
     assert_eq!(up.last_seen().uri.path(), "/orders");
+    // A Host that names another entity than :authority is malformed
+    // (RFC 9113 §8.3.1); the same one (any case) is fine.
+    let mut other = req("POST", "/orders");
+    other
+        .headers_mut()
+        .insert("host", http::HeaderValue::from_static("evil.example"));
+    let resp = send.send_request(other).await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        String::from_utf8_lossy(&body).contains("urn:idem:problem:invalid-host"),
+        "{body:?}"
+    );
+    let mut same = req("POST", "/orders");
+    same.headers_mut().insert(
+        "host",
+        http::HeaderValue::from_str(&gw.addr.to_string()).unwrap(),
+    );
+    let resp = send.send_request(same).await.unwrap();
+    assert_eq!(resp.status(), 201);
+    assert_eq!(up.hits(), 2, "the mismatched Host never reached the upstream");
 }

@@ -308,6 +308,14 @@ impl Decimal {
 /// requests) and numbers that a double cannot hold exactly.
 struct Strict(Value);
 
+/// Member names serde_json reserves for its own tokens (with its
+/// `raw_value` or `arbitrary_precision` features, which other crates of a
+/// build may turn on): an object with such a member is serialised as a raw
+/// value or a number, not as an object, so its canonical form would be
+/// neither the object nor valid JSON. Such bodies are hashed raw (found by
+/// the `json` fuzz target: `{"$serde_json::private::RawValue":1.0}`).
+const SERDE_JSON_PRIVATE: &str = "$serde_json::private::";
+
 /// 2^53: from here on, doubles skip integers.
 const EXACT_LIMIT: u64 = 1 << 53;
 
@@ -386,6 +394,9 @@ impl<'de> Visitor<'de> for StrictVisitor {
         while let Some(k) = map.next_key::<String>()? {
             if out.contains_key(&k) {
                 return Err(de::Error::custom("duplicate member name"));
+            }
+            if k.starts_with(SERDE_JSON_PRIVATE) {
+                return Err(de::Error::custom("serde_json's private member name"));
             }
             let Strict(v) = map.next_value()?;
             out.insert(k, v);
@@ -613,6 +624,18 @@ mod tests {
         assert_eq!(canonical_json(b"1e400"), None);
         assert_eq!(canonical_json(b"[1] x"), None);
         assert_eq!(canonical_json("[".repeat(200).as_bytes()), None);
+    }
+
+    #[test]
+    fn serde_json_private_member_names_are_hashed_raw() {
+        for body in [
+            r#"{"$serde_json::private::RawValue":1.0,"a88":[80.12,0.1]}"#,
+            r#"{"$serde_json::private::Number":"1"}"#,
+            r#"[{"a":{"$serde_json::private::RawValue":"x"}}]"#,
+        ] {
+            assert_eq!(canonical_json(body.as_bytes()), None, "{body}");
+        }
+        assert!(canonical_json(br#"{"$serde_json":1,"$other::private::":2}"#).is_some());
     }
 
     #[test]
