@@ -945,12 +945,23 @@ pub fn parse_trusted_proxy(s: &str) -> Result<IpNet, String> {
 }
 
 /// Parses and checks an upstream URL: `http://host[:port][/prefix]`, without
-/// user info, query or fragment.
+/// user info, query or fragment. Surrounding ASCII whitespace is ignored;
+/// the URL itself must be printable ASCII (percent-encode anything else),
+/// so that its printed form parses back to the same URL.
 ///
 /// # Errors
 /// A message saying what is wrong with the URL.
 pub fn parse_upstream(s: &str) -> Result<Uri, String> {
-    let t = s.trim();
+    let t = s.trim_matches(|c: char| c.is_ascii_whitespace());
+    if let Some(c) = t.chars().find(|c| !c.is_ascii_graphic()) {
+        return Err(format!(
+            "{t:?} holds {c:?}; an upstream URL must be printable ASCII without spaces \
+             (percent-encode other characters)"
+        ));
+    }
+    if t.contains('#') {
+        return Err(format!("{t:?}: the upstream URL cannot have a fragment"));
+    }
     let uri: Uri = t
         .parse()
         .map_err(|e| format!("{t:?} is not a valid URL ({e}); expected http://host:port"))?;
@@ -1544,5 +1555,22 @@ mod tests {
             parse_duration(&shown),
             Ok(MAX_DURATION - Duration::from_millis(1))
         );
+    }
+
+    #[test]
+    fn upstreams_outside_printable_ascii_are_refused() {
+        // fuzz/crashes/upstream: U+2000 around the URL and inside its path.
+        let crash = String::from_utf8_lossy(&[
+            0xe2, 0x80, 0x80, 0x68, 0x74, 0x74, 0x70, 0x3a, 0x2f, 0x2f, 0x32, 0x38, 0x6c, 0x2f,
+            0xe2, 0x80, 0xe2, 0x80, 0xe2, 0x80, 0x80, 0x23, 0x80, 0x6a, 0x80,
+        ])
+        .into_owned();
+        assert!(parse_upstream(&crash).is_err());
+        assert!(parse_upstream("\u{2000}http://h:1").is_err());
+        assert!(parse_upstream("http://h:1/a\u{e9}").is_err());
+        assert!(parse_upstream("http://h:1/a b").is_err());
+        assert!(parse_upstream("http://h:1/a#x").is_err());
+        let u = parse_upstream(" \thttp://h:1/api\n").unwrap();
+        assert_eq!(parse_upstream(&u.to_string()), Ok(u));
     }
 }
