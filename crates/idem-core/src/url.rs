@@ -245,8 +245,24 @@ impl StoreUrl {
     /// [`StoreError::Config`] for the first parameter, in query order, that
     /// is unknown (the message lists what `kind` takes), not valid
     /// percent-encoded UTF-8, empty, not a boolean where one is expected,
-    /// or given twice.
+    /// or given twice; and when the query holds white space or a control
+    /// character (percent-encode it: `%20`), or white space ends the base
+    /// before `?`. The driver URL is thereby stable: read again, it gives
+    /// itself back ([`StoreUrl::parse`] trims, and empty `&&` pairs are
+    /// dropped).
     pub fn options(&self, kind: &str, params: &[Param]) -> Result<UrlOptions, StoreError> {
+        if let Some(c) = self
+            .query
+            .chars()
+            .find(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(self.error(format_args!(
+                "the query holds {c:?}; percent-encode white space and control characters (a space is %20)"
+            )));
+        }
+        if self.base.ends_with(char::is_whitespace) {
+            return Err(self.error("white space before the `?` of the query"));
+        }
         let mut values: Vec<(&'static str, Value)> = Vec::new();
         let mut kept: Vec<&str> = Vec::new();
         for pair in self.query.split('&').filter(|p| !p.is_empty()) {
@@ -503,5 +519,29 @@ mod tests {
         for no in ["false", "0", "No", "OFF"] {
             assert_eq!(parse_flag(no), Some(false));
         }
+    }
+
+    #[test]
+    fn white_space_in_the_query_is_refused() {
+        // fuzz/crashes/store_url: the driver URL kept " " pairs, and its
+        // trailing one was trimmed when the driver URL was read again.
+        let e = options("postgres://u:pw@h/db?sslded&& & &&&&&& &", PG)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("percent-encode"), "{e}");
+        assert!(!e.contains("pw@"), "{e}");
+        assert!(options("postgres://h/db?a=b\tc", PG).is_err());
+        assert!(options("postgres://h/db ?sslmode=disable", PG).is_err());
+        let o = options(
+            "postgres://h/db?sslmode=disable&&application_name=a%20b&",
+            PG,
+        )
+        .unwrap();
+        let url = o.driver_url().expose();
+        assert_eq!(
+            url,
+            "postgres://h/db?sslmode=disable&application_name=a%20b"
+        );
+        assert_eq!(options(url, PG).unwrap().driver_url().expose(), url);
     }
 }

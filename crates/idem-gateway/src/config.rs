@@ -44,7 +44,7 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// variable `IDEM_<FLAG>`; a flag on the command line wins over the variable.
 ///
 /// Durations take a number and a unit (`500ms`, `30s`, `5m`, `24h`; see the
-/// `humantime` crate); `0` is accepted for `--wait`. Byte sizes take a plain
+/// `humantime` crate), at most 100 years ([`MAX_DURATION`]); `0` is accepted for `--wait`. Byte sizes take a plain
 /// number of bytes or a number with a suffix: `KB`/`MB`/`GB` (powers of 1000)
 /// or `KiB`/`MiB`/`GiB` (powers of 1024), case-insensitive. The defaults
 /// shown by `--help` are those of [`GatewayConfig::new`].
@@ -754,13 +754,28 @@ pub enum ConfigError {
     },
 }
 
-/// Parses a duration such as `500ms`, `30s`, `24h` or `0`.
+/// The longest duration [`parse_duration`] accepts: 100 years (of 365.25
+/// days, humantime's `y`). No lease, TTL or timeout needs more, and every
+/// duration up to it prints ([`show_duration`], humantime) in a form that
+/// parses back to the same value.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 31_557_600);
+
+/// Parses a duration such as `500ms`, `30s`, `24h` or `0`, at most
+/// [`MAX_DURATION`] (100 years).
 ///
 /// # Errors
-/// A message naming the accepted forms.
+/// A message naming the accepted forms, or saying the duration is longer
+/// than 100 years.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s.trim())
-        .map_err(|e| format!("{e}; use a number with a unit, like 500ms, 30s, 5m or 24h"))
+    let d = humantime::parse_duration(s.trim())
+        .map_err(|e| format!("{e}; use a number with a unit, like 500ms, 30s, 5m or 24h"))?;
+    if d > MAX_DURATION {
+        return Err(format!(
+            "{:?} is longer than the most accepted, 100 years (100y)",
+            s.trim()
+        ));
+    }
+    Ok(d)
 }
 
 /// Parses a byte size: `1048576`, `512KiB`, `10MiB`, `1MB` (= 1,000,000), `2GiB`.
@@ -933,12 +948,23 @@ pub fn parse_trusted_proxy(s: &str) -> Result<IpNet, String> {
 }
 
 /// Parses and checks an upstream URL: `http://host[:port][/prefix]`, without
-/// user info, query or fragment.
+/// user info, query or fragment. Surrounding ASCII whitespace is ignored;
+/// the URL itself must be printable ASCII (percent-encode anything else),
+/// so that its printed form parses back to the same URL.
 ///
 /// # Errors
 /// A message saying what is wrong with the URL.
 pub fn parse_upstream(s: &str) -> Result<Uri, String> {
-    let t = s.trim();
+    let t = s.trim_matches(|c: char| c.is_ascii_whitespace());
+    if let Some(c) = t.chars().find(|c| !c.is_ascii_graphic()) {
+        return Err(format!(
+            "{t:?} holds {c:?}; an upstream URL must be printable ASCII without spaces \
+             (percent-encode other characters)"
+        ));
+    }
+    if t.contains('#') {
+        return Err(format!("{t:?}: the upstream URL cannot have a fragment"));
+    }
     let uri: Uri = t
         .parse()
         .map_err(|e| format!("{t:?} is not a valid URL ({e}); expected http://host:port"))?;
@@ -1517,5 +1543,37 @@ mod tests {
         assert!(parse_size("1.5MB").is_err());
         assert!(parse_size("99999999999999999999999").is_err());
         assert!(parse_size("99999999999999GiB").is_err());
+    }
+
+    #[test]
+    fn durations_beyond_100_years_are_refused() {
+        // fuzz/crashes/duration: ~677 years, whose milliseconds humantime
+        // could not read back.
+        let e = parse_duration(" 500ms   3  5 3  55wks").unwrap_err();
+        assert!(e.contains("100 years"), "{e}");
+        assert_eq!(parse_duration("100y"), Ok(MAX_DURATION));
+        assert!(parse_duration("101y").is_err());
+        let shown = show_duration(MAX_DURATION - Duration::from_millis(1));
+        assert_eq!(
+            parse_duration(&shown),
+            Ok(MAX_DURATION - Duration::from_millis(1))
+        );
+    }
+
+    #[test]
+    fn upstreams_outside_printable_ascii_are_refused() {
+        // fuzz/crashes/upstream: U+2000 around the URL and inside its path.
+        let crash = String::from_utf8_lossy(&[
+            0xe2, 0x80, 0x80, 0x68, 0x74, 0x74, 0x70, 0x3a, 0x2f, 0x2f, 0x32, 0x38, 0x6c, 0x2f,
+            0xe2, 0x80, 0xe2, 0x80, 0xe2, 0x80, 0x80, 0x23, 0x80, 0x6a, 0x80,
+        ])
+        .into_owned();
+        assert!(parse_upstream(&crash).is_err());
+        assert!(parse_upstream("\u{2000}http://h:1").is_err());
+        assert!(parse_upstream("http://h:1/a\u{e9}").is_err());
+        assert!(parse_upstream("http://h:1/a b").is_err());
+        assert!(parse_upstream("http://h:1/a#x").is_err());
+        let u = parse_upstream(" \thttp://h:1/api\n").unwrap();
+        assert_eq!(parse_upstream(&u.to_string()), Ok(u));
     }
 }

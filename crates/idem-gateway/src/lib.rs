@@ -228,7 +228,7 @@ pub use config::{
     GatewayConfig, IpNet, DEFAULT_LISTEN, DEFAULT_PURGE_INTERVAL, DEFAULT_SHUTDOWN_GRACE,
     DEFAULT_STORE, DEFAULT_UPSTREAM_IDLE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
 };
-pub use config::{DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS};
+pub use config::{DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, MAX_DURATION};
 /// The response field that marks an answer given without protection
 /// (`Idempotency-Status: unprotected`, see [Store outages](#store-outages)).
 pub use idem_http::IDEMPOTENCY_STATUS;
