@@ -93,5 +93,9 @@ async fn http2_lowercase_methods_are_refused_and_authority_is_enough() {
     );
     let resp = send.send_request(same).await.unwrap();
     assert_eq!(resp.status(), 201);
-    assert_eq!(up.hits(), 2, "the mismatched Host never reached the upstream");
+    assert_eq!(
+        up.hits(),
+        2,
+        "the mismatched Host never reached the upstream"
+    );
 }
