@@ -181,16 +181,10 @@ async fn silent_sockets_under_a_low_fd_limit_do_not_take_it_offline() {
 /// start with exit status 2, naming the flag. (Today: it starts.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_limit_without_room_is_refused_at_start() {
-    let out = std::process::Command::new("prlimit")
-        .args([
-            "--nofile=40:40",
-            "--",
-            env!("CARGO_BIN_EXE_idem"),
-            "gateway",
-        ])
+    let out = support::idem_under(&["prlimit", "--nofile=40:40", "--"])
+        .arg("gateway")
         .args(["--upstream", "http://127.0.0.1:9", "--store", "memory://"])
         .args(["--listen", &free_addr().to_string()])
-        .stdin(std::process::Stdio::null())
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -481,7 +481,20 @@ pub fn free_addr() -> SocketAddr {
 
 /// `idem` with the developer's IDEM_* settings removed.
 pub fn idem() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    idem_under(&[])
+}
+
+/// `idem` run by `wrapper` (e.g. `["prlimit", "--nofile=64:64", "--"]`;
+/// none: `idem` itself), with the developer's IDEM_* settings removed.
+pub fn idem_under(wrapper: &[&str]) -> Command {
+    let mut cmd = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).arg(env!("CARGO_BIN_EXE_idem"));
+            cmd
+        }
+        None => Command::new(env!("CARGO_BIN_EXE_idem")),
+    };
     for (name, _) in std::env::vars_os() {
         if name.to_string_lossy().starts_with("IDEM_") {
             cmd.env_remove(name);
@@ -513,9 +526,20 @@ impl GatewayProc {
         args: &[&str],
         tweak: impl FnOnce(&mut Command),
     ) -> Self {
+        Self::spawn(idem(), dir, name, args, tweak).await
+    }
+
+    /// Runs `cmd` (an `idem` command) as `gateway --listen <free port>
+    /// ARGS`, after `tweak`, and waits until it is healthy.
+    async fn spawn(
+        mut cmd: Command,
+        dir: &Path,
+        name: &str,
+        args: &[&str],
+        tweak: impl FnOnce(&mut Command),
+    ) -> Self {
         let addr = free_addr();
         let log = dir.join(format!("{name}.log"));
-        let mut cmd = idem();
         cmd.arg("gateway")
             .arg("--listen")
             .arg(addr.to_string())
@@ -676,29 +700,7 @@ impl GatewayProc {
     /// Like [`GatewayProc::start`], with the gateway run by `wrapper`
     /// (e.g. `["prlimit", "--nofile=64:64", "--"]`).
     pub async fn start_under(dir: &Path, name: &str, wrapper: &[&str], args: &[&str]) -> Self {
-        let addr = free_addr();
-        let log = dir.join(format!("{name}.log"));
-        let mut cmd = Command::new(wrapper[0]);
-        for (var, _) in std::env::vars_os() {
-            if var.to_string_lossy().starts_with("IDEM_") {
-                cmd.env_remove(var);
-            }
-        }
-        cmd.env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .args(&wrapper[1..])
-            .arg(env!("CARGO_BIN_EXE_idem"))
-            .arg("gateway")
-            .arg("--listen")
-            .arg(addr.to_string())
-            .args(args)
-            .current_dir(dir)
-            .stdout(Stdio::null())
-            .stderr(File::create(&log).unwrap());
-        let child = cmd.spawn().expect("spawn idem gateway");
-        let mut gw = GatewayProc { child, addr, log };
-        gw.wait_healthy().await;
-        gw
+        Self::spawn(idem_under(wrapper), dir, name, args, |_| {}).await
     }
 }
 
