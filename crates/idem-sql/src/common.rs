@@ -205,7 +205,12 @@ impl RawRecord {
     }
 
     /// The answer to `begin` from a live record (the caller checked
-    /// [`Self::is_live`]). `retry_after` is at least 1 ms.
+    /// [`Self::is_live`]). `retry_after` is at least 1 ms and at most the
+    /// lease asked for: `now` is the database's statement time, and on
+    /// MySQL/MariaDB `NOW()` is when the statement *started* — a begin
+    /// that started before the winner's and waited on its row lock would
+    /// otherwise report a few ms more than a whole lease (seen: 2.002 s
+    /// for a 2 s lease).
     pub(crate) fn answer(
         &self,
         req: &BeginRequest,
@@ -221,7 +226,8 @@ impl RawRecord {
                         u64::try_from(self.deadline.saturating_sub(now))
                             .unwrap_or(0)
                             .max(1),
-                    ),
+                    )
+                    .min(req.lease.max(Duration::from_millis(1))),
                 }
             }
             COMPLETED if same => Begin::Replay(self.response(phase)?),
