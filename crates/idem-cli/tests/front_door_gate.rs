@@ -67,19 +67,11 @@ fn leases_that_cannot_protect_anything_are_refused_at_start() {
 async fn the_floor_itself_is_accepted() {
     let dir = tempfile::tempdir().unwrap();
     let up = Upstream::start().await;
-    let gw = GatewayProc::start(
+    let gw = memory_gateway(
         dir.path(),
         "floor",
-        &[
-            "--upstream",
-            &up.url,
-            "--store",
-            "memory://",
-            "--lease",
-            "1s",
-            "--store-timeout",
-            "500ms",
-        ],
+        &up,
+        &["--lease", "1s", "--store-timeout", "500ms"],
     )
     .await;
     let c = reqwest::Client::new();
@@ -134,12 +126,7 @@ fn kind(v: &serde_json::Value) -> &str {
 async fn the_token_endpoint_is_off_without_a_token_route() {
     let dir = tempfile::tempdir().unwrap();
     let up = Upstream::start().await;
-    let gw = GatewayProc::start(
-        dir.path(),
-        "off",
-        &["--upstream", &up.url, "--store", "memory://"],
-    )
-    .await;
+    let gw = memory_gateway(dir.path(), "off", &up, &[]).await;
     let c = reqwest::Client::new();
     for who in [None, Some("alice")] {
         let (status, _, v) = issue(&c, &gw, who).await;
@@ -147,18 +134,7 @@ async fn the_token_endpoint_is_off_without_a_token_route() {
         assert_eq!(kind(&v), "urn:idem:problem:not-found", "{v}");
     }
     // `--issue-tokens` turns it on without a token route.
-    let on = GatewayProc::start(
-        dir.path(),
-        "on",
-        &[
-            "--upstream",
-            &up.url,
-            "--store",
-            "memory://",
-            "--issue-tokens",
-        ],
-    )
-    .await;
+    let on = memory_gateway(dir.path(), "on", &up, &["--issue-tokens"]).await;
     let (status, _, v) = issue(&c, &on, Some("alice")).await;
     assert_eq!(status, 201, "{v}");
     assert_eq!(up.total(), 0);
@@ -168,37 +144,18 @@ async fn the_token_endpoint_is_off_without_a_token_route() {
 async fn issuing_needs_a_scope_unless_anonymous_tokens_are_allowed() {
     let dir = tempfile::tempdir().unwrap();
     let up = Upstream::start().await;
-    let gw = GatewayProc::start(
-        dir.path(),
-        "scoped",
-        &[
-            "--upstream",
-            &up.url,
-            "--store",
-            "memory://",
-            "--require-token",
-            "/pay",
-        ],
-    )
-    .await;
+    let gw = memory_gateway(dir.path(), "scoped", &up, &["--require-token", "/pay"]).await;
     let c = reqwest::Client::new();
     let (status, _, v) = issue(&c, &gw, None).await;
     assert_eq!(status, 400, "{v}");
     assert_eq!(kind(&v), "urn:idem:problem:scope-required", "{v}");
     let (status, _, v) = issue(&c, &gw, Some("alice")).await;
     assert_eq!(status, 201, "{v}");
-    let anon = GatewayProc::start(
+    let anon = memory_gateway(
         dir.path(),
         "anon",
-        &[
-            "--upstream",
-            &up.url,
-            "--store",
-            "memory://",
-            "--require-token",
-            "/pay",
-            "--anonymous-tokens",
-        ],
+        &up,
+        &["--require-token", "/pay", "--anonymous-tokens"],
     )
     .await;
     let (status, _, v) = issue(&c, &anon, None).await;
@@ -209,14 +166,11 @@ async fn issuing_needs_a_scope_unless_anonymous_tokens_are_allowed() {
 async fn a_flood_from_one_scope_stops_at_its_cap_and_others_still_get_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let up = Upstream::start().await;
-    let gw = GatewayProc::start(
+    let gw = memory_gateway(
         dir.path(),
         "per-scope",
+        &up,
         &[
-            "--upstream",
-            &up.url,
-            "--store",
-            "memory://",
             "--require-token",
             "/pay",
             "--tokens-per-scope",
@@ -262,14 +216,11 @@ async fn a_flood_from_one_scope_stops_at_its_cap_and_others_still_get_tokens() {
 async fn the_global_cap_holds_across_scopes() {
     let dir = tempfile::tempdir().unwrap();
     let up = Upstream::start().await;
-    let gw = GatewayProc::start(
+    let gw = memory_gateway(
         dir.path(),
         "global",
+        &up,
         &[
-            "--upstream",
-            &up.url,
-            "--store",
-            "memory://",
             "--issue-tokens",
             "--tokens-per-scope",
             "3",
@@ -362,4 +313,16 @@ async fn a_token_flood_cannot_fill_the_memory_store() {
         assert_eq!(r.status, 201, "{}", r.body);
     }
     assert_eq!(up.total(), 15);
+}
+
+/// `idem gateway --upstream UP --store memory:// EXTRA…`, started and healthy.
+async fn memory_gateway(
+    dir: &std::path::Path,
+    name: &str,
+    up: &Upstream,
+    extra: &[&str],
+) -> GatewayProc {
+    let mut args = vec!["--upstream", up.url.as_str(), "--store", "memory://"];
+    args.extend_from_slice(extra);
+    GatewayProc::start(dir, name, &args).await
 }
