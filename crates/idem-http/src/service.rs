@@ -117,7 +117,7 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let options = self.options.clone();
 
-        let log = LogCtx {
+        let log = |req: &Request<B>| LogCtx {
             started: Instant::now(),
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
@@ -125,10 +125,12 @@ where
         };
         if !options.methods.contains(req.method()) {
             if let Some(guarded) = case_variant_of(&options.methods, req.method()) {
-                return ready(log.rejected(method_case(req.method(), guarded)));
+                return ready(log(&req).rejected(method_case(req.method(), guarded)));
             }
+            // Unguarded: no log context, no allocation.
             return pass_through(&mut inner, req);
         }
+        let log = log(&req);
         // Every decision by path (token routes, the fingerprint) and the
         // inner service see one normalised path.
         match normalized_uri(req.uri()) {
