@@ -54,6 +54,8 @@ pub enum Phase {
     Delete,
     /// Purging expired records.
     Purge,
+    /// Listing records ([`crate::admin::KeyAdmin::list`]).
+    List,
 }
 
 impl std::fmt::Display for Phase {
@@ -67,6 +69,7 @@ impl std::fmt::Display for Phase {
             Phase::Get => "get",
             Phase::Delete => "delete",
             Phase::Purge => "purge",
+            Phase::List => "list",
         })
     }
 }
@@ -117,6 +120,10 @@ pub enum StoreError {
     /// A configuration or input error (a bad store URL, a bad table name).
     #[error("invalid store configuration: {0}")]
     Config(String),
+    /// A request the store cannot answer as asked (a list limit out of
+    /// range, a cursor this store did not make). Nothing was read or written.
+    #[error("invalid store request: {0}")]
+    Invalid(String),
 }
 
 impl StoreError {

@@ -19,6 +19,7 @@
 //!  Completed --expires_at passed--> (absent)
 //! ```
 
+pub mod admin;
 mod clock;
 mod engine;
 mod error;
@@ -31,6 +32,7 @@ mod store;
 pub mod token;
 pub mod url;
 
+pub use admin::{key_hash, KeyAdmin};
 pub use clock::{duration_ms, Clock, ManualClock, Millis, SharedClock, SystemClock};
 pub use engine::{
     Action, Engine, EngineConfig, EngineConfigError, Once, OnceError, Outcome, Saved,

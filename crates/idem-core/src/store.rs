@@ -196,6 +196,13 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
         tokio::time::sleep(max.min(Duration::from_millis(50))).await;
         Ok(())
     }
+
+    /// The store's listing capability ([`crate::admin`]), if it has one.
+    /// Wrappers (timeouts, fault injection) must pass it through. The
+    /// default is `None`.
+    fn admin(&self) -> Option<&dyn crate::KeyAdmin> {
+        None
+    }
 }
 
 #[async_trait]
@@ -233,6 +240,9 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         max: Duration,
     ) -> Result<(), StoreError> {
         (**self).wait_for_change(scope, key, max).await
+    }
+    fn admin(&self) -> Option<&dyn crate::KeyAdmin> {
+        (**self).admin()
     }
 }
 

@@ -36,6 +36,10 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// How long a client connection may go without a complete request head by
 /// default (from accept, or from the end of the previous response): 10 s.
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The admin listener's address by default: `127.0.0.1:9901` (loopback
+/// only, as Envoy's admin interface is usually run).
+pub const DEFAULT_ADMIN_LISTEN: SocketAddr =
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9901));
 /// Most client connections served at once by default: 10,000 (lowered to
 /// what `RLIMIT_NOFILE` leaves, see [`GatewayConfig::max_connections`]).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
@@ -319,6 +323,67 @@ pub struct GatewayArgs {
     /// body: as soon as a chunk does not fit). At least `--max-body`.
     #[arg(long, env = "IDEM_MAX_BUFFERED", value_name = "BYTES", default_value = show_size(DEFAULT_MAX_BUFFERED), value_parser = parse_size)]
     pub max_buffered: usize,
+
+    /// Address of the admin listener (`/metrics`, health probes, and with
+    /// `--admin-token-file` the key administration API and the status
+    /// page), `IP:PORT`, or `off`. Keep it off the clients' network.
+    #[arg(long, env = "IDEM_ADMIN_LISTEN", value_name = "ADDR|off", default_value = AdminListen::default().to_string(), value_parser = parse_admin_listen)]
+    pub admin_listen: AdminListen,
+
+    /// A file holding the admin API's bearer token (at least 16 visible
+    /// ASCII characters; trailing whitespace is ignored). Without it the
+    /// admin listener serves only `/metrics` and the health probes.
+    #[arg(long, env = "IDEM_ADMIN_TOKEN_FILE", value_name = "FILE")]
+    pub admin_token_file: Option<std::path::PathBuf>,
+}
+
+/// Where the admin listener listens: an address, or nowhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdminListen {
+    /// No admin listener (`off`).
+    Off,
+    /// Listen on this `IP:PORT`.
+    On(SocketAddr),
+}
+
+impl Default for AdminListen {
+    /// [`DEFAULT_ADMIN_LISTEN`].
+    fn default() -> Self {
+        Self::On(DEFAULT_ADMIN_LISTEN)
+    }
+}
+
+impl AdminListen {
+    /// The address, unless off.
+    pub fn addr(self) -> Option<SocketAddr> {
+        match self {
+            Self::Off => None,
+            Self::On(a) => Some(a),
+        }
+    }
+}
+
+impl std::fmt::Display for AdminListen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Off => f.write_str("off"),
+            Self::On(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// Parses `--admin-listen`: `off` (any case) or `IP:PORT`.
+///
+/// # Errors
+/// A message for anything else.
+pub fn parse_admin_listen(raw: &str) -> Result<AdminListen, String> {
+    if raw.trim().eq_ignore_ascii_case("off") {
+        return Ok(AdminListen::Off);
+    }
+    raw.trim()
+        .parse()
+        .map(AdminListen::On)
+        .map_err(|_| format!("{raw:?} is neither `off` nor an IP:PORT address"))
 }
 
 impl GatewayArgs {
@@ -381,6 +446,8 @@ impl GatewayArgs {
         config.fail_open = self.fail_open;
         config.purge_interval = self.purge_interval;
         config.trusted_proxies = self.trusted_proxy;
+        config.admin_listen = self.admin_listen;
+        config.admin_token_file = self.admin_token_file;
         config.validate()?;
         Ok(config)
     }
@@ -455,6 +522,13 @@ pub struct GatewayConfig {
     /// `worker_connections` are used up), and guarded or proxied requests
     /// in flight are capped at the same number (HTTP/2 streams wait).
     pub max_connections: usize,
+    /// The admin listener (default [`DEFAULT_ADMIN_LISTEN`];
+    /// `--admin-listen`). See the `admin` section of the crate docs.
+    pub admin_listen: AdminListen,
+    /// The admin API's bearer token file (default none: the admin API and
+    /// the status page answer 404; `--admin-token-file`). Read by
+    /// [`crate::Gateway::bind`].
+    pub admin_token_file: Option<std::path::PathBuf>,
 }
 
 impl GatewayConfig {
@@ -475,6 +549,8 @@ impl GatewayConfig {
             issue_tokens: false,
             header_timeout: DEFAULT_HEADER_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            admin_listen: AdminListen::default(),
+            admin_token_file: None,
         }
     }
 
@@ -752,6 +828,9 @@ pub enum ConfigError {
         /// The descriptors kept back.
         reserve: u64,
     },
+    /// `--admin-token-file` cannot be read or holds no usable token.
+    #[error("{0}")]
+    AdminToken(String),
 }
 
 /// The longest duration [`parse_duration`] accepts: 100 years (of 365.25

@@ -326,6 +326,11 @@ impl Store for GuardedStore {
         )
         .await
     }
+
+    fn admin(&self) -> Option<&dyn idem_core::KeyAdmin> {
+        // Listing is not bounded here: the admin API bounds each call itself.
+        self.inner.admin()
+    }
 }
 
 /// Keys this gateway saw claimed or completed within the last `window`,

@@ -215,6 +215,7 @@
 //! purged every [`GatewayConfig::purge_interval`] (`--purge-interval`,
 //! 60 s), the first time one interval after start.
 
+mod admin;
 mod config;
 mod guard;
 mod limits;
@@ -222,6 +223,7 @@ mod proxy;
 mod server;
 mod store;
 
+pub use config::{parse_admin_listen, AdminListen, DEFAULT_ADMIN_LISTEN};
 pub use config::{
     parse_duration, parse_method, parse_scope_header, parse_size, parse_token_prefix,
     parse_trusted_proxy, parse_upstream, show_duration, show_size, ConfigError, GatewayArgs,

@@ -26,6 +26,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::Layer;
 
+use crate::admin::{self, AdminToken};
 use crate::config::{show_scope, ConfigError, GatewayConfig};
 use crate::guard::{GuardedStore, Recent};
 use crate::limits::ConnectionCap;
@@ -91,6 +92,8 @@ pub struct Gateway {
     upstream: Arc<Upstream>,
     listener: TcpListener,
     local_addr: SocketAddr,
+    /// The admin listener (`--admin-listen`), and the admin token.
+    admin: Option<(TcpListener, Option<AdminToken>)>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -171,6 +174,22 @@ impl Gateway {
         };
         let listener = TcpListener::bind(config.listen).await.map_err(bind_error)?;
         let local_addr = listener.local_addr().map_err(bind_error)?;
+        let admin = match config.admin_listen.addr() {
+            None => None,
+            Some(addr) => {
+                let token = match &config.admin_token_file {
+                    Some(path) => Some(
+                        AdminToken::load(path)
+                            .map_err(|e| GatewayError::Config(ConfigError::AdminToken(e)))?,
+                    ),
+                    None => None,
+                };
+                let admin_listener = admin::bind(addr)
+                    .await
+                    .map_err(|source| GatewayError::Bind { addr, source })?;
+                Some((admin_listener, token))
+            }
+        };
         Ok(Gateway {
             config,
             store,
@@ -179,7 +198,14 @@ impl Gateway {
             upstream,
             listener,
             local_addr,
+            admin,
         })
+    }
+
+    /// The address of the admin listener (the real port when the
+    /// configuration asked for port 0); `None` when it is off.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().and_then(|(l, _)| l.local_addr().ok())
     }
 
     /// The address the gateway listens on (the real port when the
@@ -222,8 +248,23 @@ impl Gateway {
             upstream,
             listener,
             local_addr,
+            admin,
         } = self;
         log_startup(&config, kind, local_addr);
+        let admin_stop = tokio_util::sync::CancellationToken::new();
+        let _admin_stop_on_exit = admin_stop.clone().drop_guard();
+        if let Some((admin_listener, token)) = admin {
+            if let Ok(addr) = admin_listener.local_addr() {
+                tracing::info!(admin = %addr, admin_api = token.is_some(), "idem admin listening");
+            }
+            let state = Arc::new(admin::AdminState {
+                store: store.clone(),
+                kind,
+                token,
+                store_timeout: config.store_options.timeout,
+            });
+            tokio::spawn(admin::serve(admin_listener, state, admin_stop.clone()));
+        }
         let cap = config.connection_cap()?;
         log_connection_cap(&config, &cap);
         let purge = tokio::spawn(purge_loop(store.clone(), config.purge_interval));

@@ -373,6 +373,8 @@ async fn scope_header_flag_keeps_api_keys_apart() {
         "memory://",
         "--listen",
         "127.0.0.1:0",
+        "--admin-listen",
+        "off",
         "--scope-header",
         "X-Api-Key",
     ])

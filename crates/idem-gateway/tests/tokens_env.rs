@@ -27,6 +27,8 @@ fn parse(upstream: &str, args: &[&str]) -> Result<GatewayConfig, ConfigError> {
         "memory://",
         "--listen",
         "127.0.0.1:0",
+        "--admin-listen",
+        "off",
     ];
     v.extend_from_slice(args);
     Cli::try_parse_from(v).unwrap().g.into_config()

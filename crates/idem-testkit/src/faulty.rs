@@ -327,6 +327,10 @@ impl<S: Store> Store for FaultyStore<S> {
         )
         .await
     }
+
+    fn admin(&self) -> Option<&dyn idem_core::KeyAdmin> {
+        self.inner.admin()
+    }
 }
 
 #[cfg(test)]

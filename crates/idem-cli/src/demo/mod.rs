@@ -208,6 +208,9 @@ async fn run_inner(args: DemoArgs) -> Result<bool, String> {
         service_url.clone(),
         "--store".to_owned(),
         args.store.clone(),
+        // The demo is for trying the key protocol; it keeps no admin port.
+        "--admin-listen".to_owned(),
+        "off".to_owned(),
     ])
     .map_err(|e| format!("gateway settings: {e}"))?;
     let config = gateway_cli

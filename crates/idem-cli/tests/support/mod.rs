@@ -501,6 +501,9 @@ pub fn idem_under(wrapper: &[&str]) -> Command {
         }
     }
     cmd.env_remove("RUST_LOG");
+    // Tests run many gateways at once: none takes the default admin port
+    // unless it asks for one (GatewayProc gives each a free port).
+    cmd.env("IDEM_ADMIN_LISTEN", "off");
     cmd.stdin(Stdio::null());
     cmd
 }
@@ -509,6 +512,8 @@ pub fn idem_under(wrapper: &[&str]) -> Command {
 pub struct GatewayProc {
     pub child: Child,
     pub addr: SocketAddr,
+    /// The admin listener (`--admin-listen`, a free port).
+    pub admin: SocketAddr,
     pub log: PathBuf,
 }
 
@@ -539,17 +544,25 @@ impl GatewayProc {
         tweak: impl FnOnce(&mut Command),
     ) -> Self {
         let addr = free_addr();
+        let admin = free_addr();
         let log = dir.join(format!("{name}.log"));
         cmd.arg("gateway")
             .arg("--listen")
             .arg(addr.to_string())
+            .arg("--admin-listen")
+            .arg(admin.to_string())
             .args(args)
             .current_dir(dir)
             .stdout(Stdio::null())
             .stderr(File::create(&log).unwrap());
         tweak(&mut cmd);
         let child = cmd.spawn().expect("spawn idem gateway");
-        let mut gw = GatewayProc { child, addr, log };
+        let mut gw = GatewayProc {
+            child,
+            addr,
+            admin,
+            log,
+        };
         gw.wait_healthy().await;
         gw
     }

@@ -425,6 +425,8 @@ pub fn config(upstream: &str) -> GatewayConfig {
     let mut c = GatewayConfig::new(upstream.parse().unwrap());
     c.listen = "127.0.0.1:0".parse().unwrap();
     c.store = "memory://".into();
+    // Many gateways run at once in one test binary: no admin port to share.
+    c.admin_listen = idem_gateway::AdminListen::Off;
     c
 }
 

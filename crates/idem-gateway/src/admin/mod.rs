@@ -1,0 +1,136 @@
+//! The admin listener (`--admin-listen`, default `127.0.0.1:9901`): what
+//! an operator reads and steers, on a port clients never use (Envoy's
+//! admin interface is the model).
+//!
+//! | path | needs the admin token | module |
+//! |---|---|---|
+//! | `GET /metrics` | no | [`metrics`]: Prometheus text exposition |
+//! | `GET /_idem/live`, `GET /_idem/ready` | no | the same probes as the public listener |
+//! | `/keys…` | yes | [`keys`]: list, show, delete records |
+//! | `GET /`, `GET /status.json` | yes | [`status`]: the live status page |
+//!
+//! Without `--admin-token-file` the token-guarded paths answer 404, as if
+//! they did not exist. A missing or wrong token gets 401 with
+//! `WWW-Authenticate: Bearer` (RFC 6750 §3).
+
+pub(crate) mod auth;
+pub(crate) mod keys;
+pub(crate) mod metrics;
+pub(crate) mod status;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use idem_core::DynStore;
+use idem_http::{problem, BoxBody};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub(crate) use auth::AdminToken;
+
+/// What every admin request can reach.
+#[allow(dead_code)] // skeleton: the keys and status modules read these
+pub(crate) struct AdminState {
+    /// The gateway's store (every call bounded by `--store-timeout`; the
+    /// listing capability is reached through `store.admin()`).
+    pub store: DynStore,
+    /// The store's kind (`sqlite`, `redis`, …).
+    pub kind: &'static str,
+    /// The bearer token of the guarded paths; `None`: they answer 404.
+    pub token: Option<AdminToken>,
+    /// The longest store call.
+    pub store_timeout: Duration,
+}
+
+/// Serves the admin listener until `stop` is cancelled. Connections are
+/// served on their own tasks; a request that has not completed its head
+/// within 10 s is dropped.
+pub(crate) async fn serve(listener: TcpListener, state: Arc<AdminState>, stop: CancellationToken) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10));
+    let builder = Arc::new(builder);
+    loop {
+        let (stream, peer) = tokio::select! {
+            () = stop.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "admin listener: accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let state = state.clone();
+        let builder = builder.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(route(req, &state, peer).await) }
+            });
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::select! {
+                r = conn => if let Err(e) = r {
+                    tracing::debug!(error = %e, %peer, "admin connection ended with an error");
+                },
+                () = stop.cancelled() => {}
+            }
+        });
+    }
+}
+
+/// Dispatches one admin request.
+async fn route(req: Request<Incoming>, state: &AdminState, peer: SocketAddr) -> Response<BoxBody> {
+    let path = req.uri().path().to_owned();
+    match path.as_str() {
+        "/metrics" => {
+            if req.method() != Method::GET && req.method() != Method::HEAD {
+                return method_not_allowed();
+            }
+            metrics::render()
+        }
+        p if p == "/keys" || p.starts_with("/keys/") => {
+            match auth::denied(&req, state.token.as_ref()) {
+                None => keys::handle(req, state, peer).await,
+                Some(resp) => resp,
+            }
+        }
+        "/" | "/status.json" => match auth::denied(&req, state.token.as_ref()) {
+            None => status::handle(req, state).await,
+            Some(resp) => resp,
+        },
+        _ => not_found(),
+    }
+}
+
+/// 404 problem for an unknown admin path.
+pub(crate) fn not_found() -> Response<BoxBody> {
+    problem(StatusCode::NOT_FOUND, "not-found", "no such admin endpoint")
+}
+
+/// 405 problem.
+pub(crate) fn method_not_allowed() -> Response<BoxBody> {
+    problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        "this admin endpoint does not answer this method",
+    )
+}
+
+/// Binds the admin listener.
+///
+/// # Errors
+/// The bind error.
+pub(crate) async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
