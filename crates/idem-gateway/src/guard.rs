@@ -416,12 +416,14 @@ impl Memory {
 }
 
 /// `--fail-open` forwards a key only if this gateway did not see it
-/// claimed, in flight or completed within the window: a rerun of such a
-/// key would be a certain second execution. A key it lets through is
-/// noted as forwarded (so a late-landing claim of it is kept).
+/// claimed, in flight or completed within the window, and did not already
+/// forward it unprotected within the window: a rerun of such a key would
+/// be a certain second execution (a retry of a request fail-open let
+/// through gets 503, as without fail-open). A key it lets through is noted
+/// as forwarded (so a late-landing claim of it is kept).
 impl idem_http::FailOpenGuard for Recent {
     fn allows(&self, scope: &Scope, key: &IdempotencyKey) -> bool {
-        let allowed = !self.contains(scope, key);
+        let allowed = !self.contains(scope, key) && !self.forwarded(scope, key);
         if allowed {
             self.forwarded.note(scope, key);
         }
@@ -561,8 +563,12 @@ mod tests {
             claim("kept-out", Duration::from_secs(60)),
         );
         timed_out_begin(&store, &sent).await;
-        // Fail-open lets it through unprotected: it runs.
+        // Fail-open lets it through unprotected: it runs, once.
         assert!(recent.allows(&sent.scope, &sent.key));
+        assert!(
+            !recent.allows(&sent.scope, &sent.key),
+            "a retry of a request fail-open already forwarded was forwarded again"
+        );
         tokio::time::sleep(Duration::from_secs(3)).await;
         assert_eq!(faulty.calls(Op::Release), 0);
         let b = store.begin(&sent).await.unwrap();

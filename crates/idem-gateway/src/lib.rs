@@ -97,11 +97,13 @@
 //! - **`--fail-open`** (off by default) — **can double-charge**: a guarded
 //!   request whose `begin` failed is forwarded to the upstream without
 //!   protection, answered with `Idempotency-Status: unprotected`
-//!   ([`IDEMPOTENCY_STATUS`]) and logged at WARN. Nothing is recorded, so
-//!   a retry during the outage runs again. Never applied when the upstream
-//!   was already called (a failed save, an upstream's own 503), nor to a
-//!   key this instance saw claimed, in flight or completed within the last
-//!   `--lease` + `--wait`.
+//!   ([`IDEMPOTENCY_STATUS`]) and logged at WARN. Nothing is recorded in
+//!   the store; this instance remembers the key in memory, so a retry of
+//!   it to the same instance during the outage gets 503 instead of running
+//!   again (a retry to another instance, or after a restart, runs again).
+//!   Never applied when the upstream was already called (a failed save,
+//!   an upstream's own 503), nor to a key this instance saw claimed, in
+//!   flight, completed or forwarded within the last `--lease` + `--wait`.
 //!
 //! ## Whose key it is
 //!

@@ -174,8 +174,25 @@ async fn fail_open_forwards_unprotected_when_begin_fails() {
     assert_eq!(seen.headers["idempotency-key"], k.as_str());
     assert_eq!(seen.headers["authorization"], "Bearer a");
 
-    // This is the danger fail-open accepts: nothing was recorded, so a
-    // retry while the store is down runs again.
+    // Nothing was recorded in the store, but this instance remembers the
+    // key it forwarded: a retry of it while the store is down gets 503,
+    // not a second run.
+    let r = post_as(
+        &c,
+        &gw.url("/echo?x=1"),
+        &k,
+        &[("authorization", "Bearer a")],
+        body,
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(
+        up.hits(),
+        1,
+        "fail-open forwarded a retry of a key it already forwarded"
+    );
+
+    // Another key is still forwarded unprotected.
     let r = post(&c, &gw.url("/orders"), Some(&key("open2")), "{}").await;
     assert_eq!(r.status, 201);
     assert_eq!(
