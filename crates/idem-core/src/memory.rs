@@ -1129,6 +1129,11 @@ impl KeyAdmin for MemoryStore {
             .collect::<Result<_, _>>()?;
         Ok(ListPage { records, next })
     }
+
+    /// In flight newest claim first, completed latest completion first.
+    fn newest_first(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -3,6 +3,8 @@
 /// Writes a module `$module` (e.g. `conformance`, inside a module named
 /// `<store>_tests`) with one `#[tokio::test]` per check of
 /// [`store_checks`](crate::store_checks),
+/// [`admin_checks`](crate::admin_checks) (the store must offer listing:
+/// [`Store::admin`](idem_core::Store::admin) is `Some`),
 /// [`engine_checks`](crate::engine_checks) and
 /// [`token_checks`](crate::token_checks).
 ///
@@ -44,6 +46,13 @@ macro_rules! conformance_tests {
                 odd_keys_and_scopes_round_trip,
                 same_key_in_two_scopes_independent,
             ]
+            admin_checks: [
+                list_filters_by_state_and_scope,
+                list_pages_visit_every_record_once,
+                list_hides_expired_results_shows_ended_claims,
+                list_after_delete,
+                list_refuses_bad_limits_and_cursors,
+            ]
             engine_checks: [
                 engine_runs_once_under_concurrency,
                 engine_release_lets_retry_run,
@@ -68,6 +77,7 @@ macro_rules! conformance_tests {
     };
     (@module $module:ident, $make:expr;
         store_checks: [$($store_check:ident),* $(,)?]
+        admin_checks: [$($admin_check:ident),* $(,)?]
         engine_checks: [$($engine_check:ident),* $(,)?]
         token_checks: [$($token_check:ident),* $(,)?]
     ) => {
@@ -79,6 +89,13 @@ macro_rules! conformance_tests {
                 async fn $store_check() {
                     let harness = ($make)().await;
                     $crate::store_checks::$store_check(&harness).await;
+                }
+            )*
+            $(
+                #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $admin_check() {
+                    let harness = ($make)().await;
+                    $crate::admin_checks::$admin_check(&harness).await;
                 }
             )*
             $(
