@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::admin::{ListPage, ListQuery};
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, Phase, Record, Scope, Store, StoreError,
+    Begin, BeginRequest, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope, Store, StoreError,
     StoredResponse,
 };
 use rand::Rng;
@@ -15,7 +16,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{Connection, Executor, Row};
 
 use crate::common::{
-    self, bind_key, bind_lease, classify, lease_kept, millis, ms_i64, now_of, to_i64,
+    self, bind_key, bind_lease, classify, lease_kept, list, millis, ms_i64, now_of, to_i64,
     validate_ident, with_retries, Failure, RawRecord, IN_PROGRESS, MAX_TABLE_LEN, PURGE_BATCH,
     SETTLE_ROUNDS,
 };
@@ -920,6 +921,39 @@ impl Store for MySqlStore {
             Ok(claim(self.read(P, scope, key).await?).map(|(f, _)| f))
         })
         .await
+    }
+
+    fn admin(&self) -> Option<&dyn KeyAdmin> {
+        Some(self)
+    }
+}
+
+/// Listing: one `SELECT … ORDER BY fence DESC LIMIT n` per page (the
+/// shared statement of the SQL stores), newest claim first, a plain
+/// consistent read (no locks) at `READ COMMITTED`, time by the server's
+/// clock. Without a scope filter InnoDB scans the table and sorts for the
+/// newest `n + 1` rows (a filesort bounded by the page); with one it reads
+/// only that scope's rows through the primary key. Retried on a deadlock;
+/// bounded by the statement time limit.
+#[async_trait]
+impl KeyAdmin for MySqlStore {
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        const P: Phase = Phase::List;
+        let records = self.inner.table.as_str();
+        let st = list::statement(MY, records, false, query)?;
+        let rows = with_retries(P, || {
+            self.attempt(
+                P,
+                list::bind(MY, &st, None, sqlx::query(&st.sql)).fetch_all(&self.inner.pool),
+            )
+        })
+        .await?;
+        list::page::<_, i8>(records, query, &rows)
+    }
+
+    /// Newest claim first (by fence), in every state.
+    fn newest_first(&self) -> bool {
+        true
     }
 }
 

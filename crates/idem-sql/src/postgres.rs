@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::admin::{ListPage, ListQuery};
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, Phase, Record, Scope, Store, StoreError,
+    Begin, BeginRequest, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope, Store, StoreError,
     StoredResponse,
 };
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
@@ -15,9 +16,9 @@ use sqlx::Connection;
 use tokio::sync::broadcast;
 
 use crate::common::{
-    self, bind_key, bind_lease, classify, column, lease_kept, millis, ms_i64, now_of, record_hash,
-    validate_ident, with_retries, Failure, RawRecord, MAX_SCHEMA_LEN, MAX_TABLE_LEN, PURGE_BATCH,
-    SETTLE_ROUNDS,
+    self, bind_key, bind_lease, classify, column, lease_kept, list, millis, ms_i64, now_of,
+    record_hash, validate_ident, with_retries, Failure, RawRecord, MAX_SCHEMA_LEN, MAX_TABLE_LEN,
+    PURGE_BATCH, SETTLE_ROUNDS,
 };
 use crate::dialect::Dialect;
 
@@ -858,6 +859,36 @@ impl Store for PostgresStore {
                 .await
             }
         }
+    }
+
+    fn admin(&self) -> Option<&dyn KeyAdmin> {
+        Some(self)
+    }
+}
+
+/// Listing: one `SELECT … ORDER BY fence DESC LIMIT n` per page (the
+/// shared statement of the SQL stores), newest claim first, in its own
+/// autocommit `READ COMMITTED` snapshot, time by the database's `now()`.
+/// Without a scope filter PostgreSQL scans the table and keeps the newest
+/// `n + 1` rows (a top-N sort: memory bounded by the page); with one it
+/// reads only that scope's rows through the primary key. Retried like every
+/// step on a serialization failure or deadlock; bounded by the statement
+/// timeout.
+#[async_trait]
+impl KeyAdmin for PostgresStore {
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        const P: Phase = Phase::List;
+        let records = self.inner.table.as_str();
+        let st = list::statement(PG, records, false, query)?;
+        let rows = self
+            .fetch_all(P, || list::bind(PG, &st, None, sqlx::query(&st.sql)))
+            .await?;
+        list::page::<_, i16>(records, query, &rows)
+    }
+
+    /// Newest claim first (by fence), in every state.
+    fn newest_first(&self) -> bool {
+        true
     }
 }
 
