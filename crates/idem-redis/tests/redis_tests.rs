@@ -25,7 +25,7 @@ use idem_testkit::SleepingHarness;
 use redis::AsyncCommands;
 
 idem_testkit::conformance_tests!(redis_tests, || async {
-    SleepingHarness(shared_store().await)
+    SleepingHarness(connect(&redis_url(), common::check_options()).await)
 });
 
 const MIN: Duration = Duration::from_secs(60);
