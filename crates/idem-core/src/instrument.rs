@@ -332,4 +332,59 @@ mod tests {
             "{errors:?}"
         );
     }
+
+    /// A claim whose holder's lease ended is taken over (counted), and the
+    /// old holder's save then finds its lease lost (counted).
+    #[test]
+    fn takeovers_and_lost_leases_are_counted_by_the_engine() {
+        use crate::{Action, Engine, EngineConfig, ManualClock, Saved};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            let clock = ManualClock::starting_now();
+            let store = MemoryStore::new().with_clock(clock.clone());
+            let config = EngineConfig {
+                lease: Duration::from_secs(1),
+                watchdog: false,
+                ..EngineConfig::default()
+            };
+            let engine = Engine::with_config(store, config);
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let (scope, key) = (Scope::anonymous(), IdempotencyKey::new("t").unwrap());
+                let fp = Fingerprint::of(b"x");
+                let outcome = engine
+                    .execute(&scope, &key, fp, |_| async {
+                        // The holder stalls past its lease; a retry takes over.
+                        clock.advance(Duration::from_secs(2));
+                        let retry = engine
+                            .execute(&scope, &key, fp, |_| async {
+                                ((), Action::Store(StoredResponse::new(201, "second")))
+                            })
+                            .await
+                            .unwrap();
+                        assert!(matches!(retry, crate::Outcome::Executed { .. }));
+                        ((), Action::Store(StoredResponse::new(201, "first")))
+                    })
+                    .await
+                    .unwrap();
+                let crate::Outcome::Executed { saved, .. } = outcome else {
+                    panic!("not executed")
+                };
+                assert!(matches!(saved, Saved::LeaseLost), "{saved:?}");
+            });
+        });
+        let snap = snapshotter.snapshot().into_hashmap();
+        let counter = |name: &str| {
+            snap.iter()
+                .find(|(k, _)| k.key().name() == name)
+                .map(|(_, (_, _, v))| matches!(v, DebugValue::Counter(1)))
+        };
+        assert_eq!(counter(LEASE_TAKEOVERS), Some(true));
+        assert_eq!(counter(LEASE_LOST), Some(true));
+        assert_eq!(counter(SAVE_RETRIES), None);
+    }
 }
