@@ -26,6 +26,7 @@ use bytes::Bytes;
 use hashbrown::{DefaultHashBuilder, HashTable};
 use tokio::sync::Notify;
 
+use crate::admin::{KeyAdmin, ListPage, ListQuery, ListedRecord, StateFilter};
 use crate::clock::{Clock, Millis, SharedClock, SystemClock};
 use crate::error::StoreError;
 use crate::store::{Begin, BeginRequest, Lease, Record, RecordState, Store};
@@ -920,6 +921,209 @@ impl Store for MemoryStore {
         }
         Ok(())
     }
+
+    fn admin(&self) -> Option<&dyn KeyAdmin> {
+        Some(self)
+    }
+}
+
+// ---- listing (KeyAdmin) -------------------------------------------------
+
+/// Where a record sits in a listing: in-flight records first, newest claim
+/// (highest fence) first, then completed ones, latest completion first.
+/// Ordered so that the greatest comes first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum ListPos {
+    /// A completed record by its completion order.
+    Done(u64),
+    /// An in-flight record by its fence.
+    Flight(u64),
+}
+
+impl ListPos {
+    /// The cursor naming the records after this one: `f<fence>` or `c<seq>`.
+    fn cursor(self) -> String {
+        match self {
+            ListPos::Flight(f) => format!("f{f}"),
+            ListPos::Done(s) => format!("c{s}"),
+        }
+    }
+
+    fn parse(cursor: &str) -> Result<Self, StoreError> {
+        let bad = || {
+            StoreError::Invalid(format!(
+                "list cursor {cursor:?} was not made by the memory store"
+            ))
+        };
+        let (tag, n) = cursor.split_at_checked(1).ok_or_else(bad)?;
+        if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        let n: u64 = n.parse().map_err(|_| bad())?;
+        match tag {
+            "f" => Ok(ListPos::Flight(n)),
+            "c" => Ok(ListPos::Done(n)),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// A listed record as copied out of its shard (a completed record's bytes
+/// are shared, not copied), decoded once the page is chosen.
+enum Snapshot {
+    Done(Arc<[u8]>),
+    Flight {
+        key: Box<[u8]>,
+        fingerprint: Fingerprint,
+        fence: u64,
+        lease_until: Millis,
+    },
+}
+
+struct Listed {
+    pos: ListPos,
+    snap: Snapshot,
+}
+
+impl PartialEq for Listed {
+    fn eq(&self, other: &Self) -> bool {
+        self.pos == other.pos
+    }
+}
+impl Eq for Listed {}
+impl PartialOrd for Listed {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Listed {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.pos.cmp(&other.pos)
+    }
+}
+
+impl Listed {
+    fn decode(self) -> Result<ListedRecord, StoreError> {
+        let corrupt = |what: &str| StoreError::corrupt(crate::Phase::List, what.to_owned());
+        let text = |b: &[u8], what: &str| {
+            std::str::from_utf8(b)
+                .map(str::to_owned)
+                .map_err(|_| corrupt(what))
+        };
+        let (k, fingerprint, state) = match &self.snap {
+            Snapshot::Done(d) => {
+                let slot = Slot::Done(Arc::clone(d));
+                let k = slot.key();
+                let k = (k.scope.to_vec(), k.key.to_vec());
+                (
+                    k,
+                    slot.fingerprint(),
+                    RecordState::Completed {
+                        response: decode_response(d),
+                        expires_at: Millis(read_u64(d, EXPIRES)),
+                    },
+                )
+            }
+            Snapshot::Flight {
+                key,
+                fingerprint,
+                fence,
+                lease_until,
+            } => {
+                let sl = usize::from(key[0]);
+                (
+                    (key[1..1 + sl].to_vec(), key[1 + sl..].to_vec()),
+                    *fingerprint,
+                    RecordState::InProgress {
+                        fence: *fence,
+                        lease_until: *lease_until,
+                    },
+                )
+            }
+        };
+        let scope =
+            Scope::new(text(&k.0, "scope is not UTF-8")?).map_err(|e| corrupt(&e.to_string()))?;
+        let key = IdempotencyKey::new(text(&k.1, "key is not UTF-8")?)
+            .map_err(|e| corrupt(&e.to_string()))?;
+        Ok(ListedRecord {
+            scope,
+            key,
+            record: Record { fingerprint, state },
+        })
+    }
+}
+
+/// Lists records in-flight first (newest claim, i.e. highest fence, first),
+/// then completed (latest completion first); the cursor is `f<fence>` or
+/// `c<seq>`, the position of the last record of the page. In-flight records
+/// whose lease has ended are listed (until a `begin` takes them over or a
+/// purge removes them); completed records past their TTL are not.
+///
+/// Each page scans every shard (one lock at a time, a few µs per hundred
+/// records): a page of a store holding a million records takes tens of
+/// milliseconds, whatever the limit.
+#[async_trait]
+impl KeyAdmin for MemoryStore {
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        query.validate()?;
+        let after = query.cursor.as_deref().map(ListPos::parse).transpose()?;
+        let now = self.clock.now();
+        let sh = &*self.inner;
+        let scope = query.scope.as_ref().map(|s| s.as_str().as_bytes());
+        let want_flight = query.state != StateFilter::Completed;
+        let want_done = query.state != StateFilter::InFlight;
+        // The `limit + 1` greatest positions below the cursor (a min-heap:
+        // its top is the smallest kept); the extra one says a next page exists.
+        let keep = query.limit + 1;
+        let mut best: BinaryHeap<Reverse<Listed>> = BinaryHeap::with_capacity(keep + 1);
+        for i in 0..SHARDS {
+            let s = sh.lock(i);
+            for slot in s.table.iter() {
+                if scope.is_some_and(|sc| slot.key().scope != sc) {
+                    continue;
+                }
+                let pos = match slot {
+                    Slot::Flight(f) if want_flight => ListPos::Flight(f.fence),
+                    Slot::Done(d) if want_done && Millis(read_u64(d, EXPIRES)) > now => {
+                        ListPos::Done(read_u64(d, SEQ))
+                    }
+                    _ => continue,
+                };
+                if after.is_some_and(|a| pos >= a) {
+                    continue;
+                }
+                if best.len() == keep && best.peek().is_some_and(|Reverse(m)| pos <= m.pos) {
+                    continue;
+                }
+                let snap = match slot {
+                    Slot::Done(d) => Snapshot::Done(Arc::clone(d)),
+                    Slot::Flight(f) => Snapshot::Flight {
+                        key: f.key.clone(),
+                        fingerprint: f.fingerprint,
+                        fence: f.fence,
+                        lease_until: f.lease_until,
+                    },
+                };
+                best.push(Reverse(Listed { pos, snap }));
+                if best.len() > keep {
+                    best.pop();
+                }
+            }
+        }
+        let mut picked: Vec<Listed> = best.into_iter().map(|Reverse(l)| l).collect();
+        picked.sort_unstable_by(|a, b| b.pos.cmp(&a.pos));
+        let next = if picked.len() > query.limit {
+            picked.truncate(query.limit);
+            picked.last().map(|l| l.pos.cursor())
+        } else {
+            None
+        };
+        let records = picked
+            .into_iter()
+            .map(Listed::decode)
+            .collect::<Result<_, _>>()?;
+        Ok(ListPage { records, next })
+    }
 }
 
 #[cfg(test)]
@@ -977,5 +1181,218 @@ mod tests {
     #[test]
     fn slots_stay_small() {
         assert!(std::mem::size_of::<Slot>() <= 24);
+    }
+}
+
+#[cfg(test)]
+mod list_tests {
+    use super::*;
+    use crate::ManualClock;
+
+    fn req(scope: &str, key: &str) -> BeginRequest {
+        BeginRequest {
+            scope: Scope::new(scope).unwrap(),
+            key: IdempotencyKey::new(key).unwrap(),
+            fingerprint: Fingerprint::of(key.as_bytes()),
+            lease: Duration::from_secs(2),
+        }
+    }
+
+    async fn claim(store: &MemoryStore, scope: &str, key: &str) -> Lease {
+        match store.begin(&req(scope, key)).await.unwrap() {
+            Begin::Acquired(l) => l,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn keys(page: &ListPage) -> Vec<&str> {
+        page.records.iter().map(|r| r.key.as_str()).collect()
+    }
+
+    async fn list(store: &MemoryStore, q: ListQuery) -> ListPage {
+        store.admin().unwrap().list(&q).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn in_flight_first_newest_first_then_completed_latest_first() {
+        let clock = ManualClock::starting_now();
+        let store = MemoryStore::new().with_clock(clock.clone());
+        let a = claim(&store, "s", "a").await;
+        let b = claim(&store, "s", "b").await;
+        let _c = claim(&store, "t", "c").await;
+        let _d = claim(&store, "s", "d").await;
+        let ttl = Duration::from_secs(60);
+        store
+            .complete(&b, &StoredResponse::new(201, "bee"), ttl)
+            .await
+            .unwrap();
+        store
+            .complete(&a, &StoredResponse::new(200, "a"), ttl)
+            .await
+            .unwrap();
+
+        let all = list(&store, ListQuery::default()).await;
+        assert_eq!(keys(&all), ["d", "c", "a", "b"]);
+        assert_eq!(all.next, None);
+        match &all.records[3].record.state {
+            RecordState::Completed { response, .. } => {
+                assert_eq!((response.status, &response.body[..]), (201, &b"bee"[..]));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(all.records[3].record.fingerprint, Fingerprint::of(b"b"));
+        assert!(matches!(
+            all.records[0].record.state,
+            RecordState::InProgress { fence, .. } if fence == _d.fence
+        ));
+
+        let q = |state, scope: Option<&str>| ListQuery {
+            state,
+            scope: scope.map(|s| Scope::new(s).unwrap()),
+            ..ListQuery::default()
+        };
+        assert_eq!(
+            keys(&list(&store, q(StateFilter::InFlight, None)).await),
+            ["d", "c"]
+        );
+        assert_eq!(
+            keys(&list(&store, q(StateFilter::Completed, None)).await),
+            ["a", "b"]
+        );
+        assert_eq!(
+            keys(&list(&store, q(StateFilter::Any, Some("s"))).await),
+            ["d", "a", "b"]
+        );
+        assert_eq!(
+            keys(&list(&store, q(StateFilter::InFlight, Some("t"))).await),
+            ["c"]
+        );
+        assert!(list(&store, q(StateFilter::Any, Some("u")))
+            .await
+            .records
+            .is_empty());
+    }
+
+    #[tokio::test]
+    async fn pages_follow_the_cursor_without_gaps_or_repeats() {
+        let store = MemoryStore::new();
+        let mut leases = Vec::new();
+        for i in 0..25 {
+            leases.push(claim(&store, "s", &format!("k{i:02}")).await);
+        }
+        for l in leases.iter().step_by(2) {
+            store
+                .complete(l, &StoredResponse::new(200, "x"), Duration::from_secs(60))
+                .await
+                .unwrap();
+        }
+        let mut seen = Vec::new();
+        let mut cursor = None;
+        let mut pages = 0;
+        loop {
+            let page = list(
+                &store,
+                ListQuery {
+                    limit: 7,
+                    cursor: cursor.take(),
+                    ..ListQuery::default()
+                },
+            )
+            .await;
+            pages += 1;
+            assert!(page.records.len() <= 7);
+            seen.extend(page.records.iter().map(|r| r.key.as_str().to_owned()));
+            match page.next {
+                Some(n) => cursor = Some(n),
+                None => break,
+            }
+        }
+        assert_eq!(pages, 4);
+        let mut sorted = seen.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 25, "{seen:?}");
+        // In flight (odd, newest first), then completed (even, latest first).
+        assert_eq!(seen[0], "k23");
+        assert_eq!(seen[12], "k24");
+        assert_eq!(seen[24], "k00");
+
+        // A page that ends exactly at the last record has no next page.
+        let exact = list(
+            &store,
+            ListQuery {
+                limit: 25,
+                ..ListQuery::default()
+            },
+        )
+        .await;
+        assert_eq!((exact.records.len(), exact.next), (25, None));
+    }
+
+    #[tokio::test]
+    async fn expired_results_are_hidden_ended_leases_are_listed() {
+        let clock = ManualClock::starting_now();
+        let store = MemoryStore::new().with_clock(clock.clone());
+        let done = claim(&store, "s", "done").await;
+        store
+            .complete(&done, &StoredResponse::new(200, ""), Duration::from_secs(1))
+            .await
+            .unwrap();
+        let _stuck = claim(&store, "s", "stuck").await;
+        clock.advance(Duration::from_secs(3));
+        let page = list(&store, ListQuery::default()).await;
+        assert_eq!(keys(&page), ["stuck"]);
+        assert_eq!(store.purge_expired().await.unwrap(), 2);
+        assert!(list(&store, ListQuery::default()).await.records.is_empty());
+    }
+
+    #[tokio::test]
+    async fn bad_limits_and_foreign_cursors_are_invalid() {
+        let store = MemoryStore::new();
+        let admin = store.admin().unwrap();
+        for q in [
+            ListQuery {
+                limit: 0,
+                ..ListQuery::default()
+            },
+            ListQuery {
+                limit: crate::admin::MAX_LIST_LIMIT + 1,
+                ..ListQuery::default()
+            },
+            ListQuery {
+                cursor: Some("x12".into()),
+                ..ListQuery::default()
+            },
+            ListQuery {
+                cursor: Some("f".into()),
+                ..ListQuery::default()
+            },
+            ListQuery {
+                cursor: Some("f+1".into()),
+                ..ListQuery::default()
+            },
+            ListQuery {
+                cursor: Some("c99999999999999999999999".into()),
+                ..ListQuery::default()
+            },
+            ListQuery {
+                cursor: Some(String::new()),
+                ..ListQuery::default()
+            },
+        ] {
+            match admin.list(&q).await {
+                Err(StoreError::Invalid(_)) => {}
+                other => panic!("{q:?}: {other:?}"),
+            }
+        }
+        assert!(ListPos::parse("é").is_err());
+        assert_eq!(
+            ListPos::parse(&ListPos::Flight(7).cursor()).unwrap(),
+            ListPos::Flight(7)
+        );
+        assert_eq!(
+            ListPos::parse(&ListPos::Done(0).cursor()).unwrap(),
+            ListPos::Done(0)
+        );
     }
 }
