@@ -218,6 +218,7 @@
 mod admin;
 mod config;
 mod guard;
+pub mod keys;
 mod limits;
 mod proxy;
 mod server;
