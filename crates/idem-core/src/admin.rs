@@ -113,6 +113,16 @@ pub trait KeyAdmin: Send + Sync {
     /// not make; availability errors as for any store call (phase
     /// [`Phase::List`](crate::Phase::List)).
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError>;
+
+    /// Whether a listing of one state ([`StateFilter::InFlight`] or
+    /// [`StateFilter::Completed`]) comes newest first — by claim or by
+    /// completion, as each store documents — so a tool can say so. `false`
+    /// (the default): in no particular order (the Redis store, which walks
+    /// its keyspace with `SCAN`; there a record may also appear twice when
+    /// Redis resized its table between pages).
+    fn newest_first(&self) -> bool {
+        false
+    }
 }
 
 /// How a scoped key is named where the raw key must not appear (logs,

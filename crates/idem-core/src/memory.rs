@@ -677,6 +677,9 @@ impl Store for MemoryStore {
         let hash = sh.hash(k);
         let shard = sh.shard_of(hash);
         let size = entry_size(k, None);
+        // Stays set across attempts: an ended claim removed in an attempt
+        // that then found no room was still taken over.
+        let mut took_over = false;
         for attempt in 1.. {
             {
                 let mut s = sh.lock(shard);
@@ -700,6 +703,7 @@ impl Store for MemoryStore {
                             });
                         }
                         _ => {
+                            took_over |= matches!(slot, Slot::Flight(_));
                             sh.remove(&mut s, hash, |sl| sl.key() == k, false);
                         }
                     }
@@ -724,6 +728,7 @@ impl Store for MemoryStore {
                         key: req.key.clone(),
                         fence,
                         until,
+                        took_over,
                     }));
                 }
             }
@@ -1123,6 +1128,11 @@ impl KeyAdmin for MemoryStore {
             .map(Listed::decode)
             .collect::<Result<_, _>>()?;
         Ok(ListPage { records, next })
+    }
+
+    /// In flight newest claim first, completed latest completion first.
+    fn newest_first(&self) -> bool {
+        true
     }
 }
 

@@ -449,6 +449,301 @@ where
     }
 }
 
+/// Listing records ([`idem_core::KeyAdmin`]), written once for every
+/// dialect: the statement, its bound values, the cursor and the decoding.
+///
+/// Order: newest claim first, by `fence` — every fence is drawn from one
+/// store-wide counter (SQLite `idem_fence`, a PostgreSQL sequence, a MySQL
+/// `AUTO_INCREMENT`), so it is unique and grows with the claim time; a
+/// completed record keeps the fence of its claim. Keyset pagination: the
+/// cursor holds the last fence listed and the next page asks for
+/// `fence < it`, never an `OFFSET`. A record present for the whole listing
+/// keeps its fence and is listed exactly once; one taken over meanwhile
+/// gets a larger fence and may be missed (it is a new claim).
+pub(crate) mod list {
+    use idem_core::admin::{ListPage, ListQuery, ListedRecord, StateFilter};
+    use idem_core::{IdempotencyKey, Phase, Scope, StoreError};
+
+    use super::{column, fnv1a, Query, RawRecord};
+    use crate::dialect::Dialect;
+
+    /// The cursor's text: `sql1-<fence, 16 hex>-<filter tag, 8 hex>`.
+    const CURSOR_PREFIX: &str = "sql1-";
+
+    /// A page statement: the SQL and where its values go. Values are bound
+    /// in this order by [`bind`]: the time (SQLite only), the scope, the
+    /// cursor's fence, the row limit.
+    #[derive(Debug)]
+    pub(crate) struct Statement {
+        pub(crate) sql: String,
+        scope: Option<Scope>,
+        after: Option<i64>,
+        rows: i64,
+    }
+
+    /// What ties a cursor to one listing: the table and the filters, so a
+    /// cursor handed to another table, state or scope is refused.
+    fn tag(records: &str, query: &ListQuery) -> u32 {
+        let state = match query.state {
+            StateFilter::Any => "any",
+            StateFilter::InFlight => "in-flight",
+            StateFilter::Completed => "completed",
+        };
+        let scope = query.scope.as_ref().map_or("\u{1}every", Scope::as_str);
+        (fnv1a(&[records, state, scope]) >> 32) as u32
+    }
+
+    /// The cursor after a page whose last record has `fence`.
+    fn cursor(fence: i64, tag: u32) -> String {
+        format!("{CURSOR_PREFIX}{fence:016x}-{tag:08x}")
+    }
+
+    /// The fence a cursor made by [`cursor`] holds.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for any other text, or a cursor of another
+    /// listing (table, state filter or scope).
+    fn parse_cursor(text: &str, tag: u32) -> Result<i64, StoreError> {
+        let bad = || {
+            StoreError::Invalid(format!(
+                "cursor {text:?} was not made by this store's listing"
+            ))
+        };
+        let rest = text.strip_prefix(CURSOR_PREFIX).ok_or_else(bad)?;
+        let (fence, t) = rest.split_once('-').ok_or_else(bad)?;
+        let hex = |s: &str, len: usize| {
+            (s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+                .then(|| u64::from_str_radix(s, 16).ok())
+                .flatten()
+        };
+        let fence = hex(fence, 16)
+            .and_then(|f| i64::try_from(f).ok())
+            .filter(|f| *f > 0)
+            .ok_or_else(bad)?;
+        if hex(t, 8) != Some(u64::from(tag)) {
+            return Err(StoreError::Invalid(format!(
+                "cursor {text:?} belongs to another listing (other table, state or scope)"
+            )));
+        }
+        Ok(fence)
+    }
+
+    /// The statement of one page of `query` over `records` (quoted).
+    /// `bound_now`: the store binds its own clock (SQLite's injectable
+    /// [`idem_core::Clock`]); otherwise the database's clock is read
+    /// ([`Dialect::stable_now_ms`]). One more row than the limit is asked
+    /// for, to tell whether a next page exists.
+    ///
+    /// # Errors
+    /// [`StoreError::Invalid`] for a bad limit or cursor.
+    pub(crate) fn statement(
+        d: Dialect,
+        records: &str,
+        bound_now: bool,
+        query: &ListQuery,
+    ) -> Result<Statement, StoreError> {
+        query.validate()?;
+        let after = query
+            .cursor
+            .as_deref()
+            .map(|c| parse_cursor(c, tag(records, query)))
+            .transpose()?;
+        let mut n = 0;
+        let mut next = || {
+            n += 1;
+            d.param(n)
+        };
+        let now = if bound_now {
+            next()
+        } else {
+            d.stable_now_ms().to_owned()
+        };
+        let mut cond = vec![match query.state {
+            StateFilter::Any => format!("(state = 0 OR deadline > {now})"),
+            StateFilter::InFlight => "state = 0".to_owned(),
+            StateFilter::Completed => format!("state = 1 AND deadline > {now}"),
+        }];
+        if query.scope.is_some() {
+            cond.push(format!("scope = {}", next()));
+        }
+        if after.is_some() {
+            cond.push(format!("fence < {}", next()));
+        }
+        let key = d.quote("key");
+        let sql = format!(
+            "SELECT scope, {key}, fingerprint, state, fence, deadline, response, {now} AS now_ms \
+             FROM {records} WHERE {} ORDER BY fence DESC LIMIT {}",
+            cond.join(" AND "),
+            next()
+        );
+        Ok(Statement {
+            sql,
+            scope: query.scope.clone(),
+            after,
+            rows: i64::try_from(query.limit)
+                .unwrap_or(i64::MAX)
+                .saturating_add(1),
+        })
+    }
+
+    /// Binds `st`'s values to `q` (made from `st.sql`): `now` when the
+    /// store binds its clock, the scope (as text on SQLite, whose columns
+    /// are `TEXT`; as bytes elsewhere), the cursor's fence, the row limit.
+    pub(crate) fn bind<'q, DB>(
+        d: Dialect,
+        st: &'q Statement,
+        now: Option<i64>,
+        mut q: Query<'q, DB>,
+    ) -> Query<'q, DB>
+    where
+        DB: sqlx::Database,
+        &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+        &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+        i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    {
+        if let Some(now) = now {
+            q = q.bind(now);
+        }
+        if let Some(scope) = &st.scope {
+            q = if d == Dialect::Sqlite {
+                q.bind(scope.as_str())
+            } else {
+                q.bind(scope.as_str().as_bytes())
+            };
+        }
+        if let Some(after) = st.after {
+            q = q.bind(after);
+        }
+        q.bind(st.rows)
+    }
+
+    /// The page from the rows of `st` (state column stored as `S`, see
+    /// [`RawRecord::from_row`]), and the cursor of the next one.
+    ///
+    /// # Errors
+    /// [`StoreError::Corrupt`] for an undecodable row (also a scope or key
+    /// that is not valid).
+    pub(crate) fn page<R, S>(
+        records: &str,
+        query: &ListQuery,
+        rows: &[R],
+    ) -> Result<ListPage, StoreError>
+    where
+        R: sqlx::Row,
+        for<'a> &'a str: sqlx::ColumnIndex<R>,
+        S: Into<i64> + for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        Vec<u8>: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    {
+        const P: Phase = Phase::List;
+        let text = |name: &str, row: &R| -> Result<String, StoreError> {
+            String::from_utf8(column::<R, Vec<u8>>(row, name, P)?)
+                .map_err(|_| StoreError::corrupt(P, format!("{name} is not UTF-8")))
+        };
+        let mut records_out = Vec::with_capacity(rows.len().min(query.limit));
+        let mut last = None;
+        for row in rows.iter().take(query.limit) {
+            let raw = RawRecord::from_row::<R, S>(row, P)?;
+            let scope = Scope::new(text("scope", row)?)
+                .map_err(|e| StoreError::corrupt(P, format!("stored scope: {e}")))?;
+            let key = IdempotencyKey::new(text("key", row)?)
+                .map_err(|e| StoreError::corrupt(P, format!("stored key: {e}")))?;
+            last = Some(raw.fence);
+            records_out.push(ListedRecord {
+                scope,
+                key,
+                record: raw.to_record(P)?,
+            });
+        }
+        let next = match last {
+            Some(fence) if rows.len() > query.limit => Some(cursor(fence, tag(records, query))),
+            _ => None,
+        };
+        Ok(ListPage {
+            records: records_out,
+            next,
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn cursors_round_trip_and_refuse_strangers() {
+            let q = ListQuery::default();
+            let t = tag("t", &q);
+            assert_eq!(parse_cursor(&cursor(42, t), t).expect("ours"), 42);
+            let other_scope = ListQuery {
+                scope: Some(Scope::new("tenant").expect("scope")),
+                ..ListQuery::default()
+            };
+            assert_ne!(tag("t", &other_scope), t);
+            assert_ne!(tag("u", &q), t);
+            for bad in [
+                "",
+                "sql1-",
+                "sql1-000000000000002a",
+                "sql1-000000000000002a-",
+                "sql1-000000000000002A-00000000",
+                "sql1-0000000000000000-00000000",
+                "sql1-800000000000002a-00000000",
+                "sql1-2a-00000000",
+                "redis1-x",
+                "sql1-000000000000002a-000000000",
+            ] {
+                assert!(
+                    matches!(parse_cursor(bad, t), Err(StoreError::Invalid(_))),
+                    "{bad:?}"
+                );
+            }
+            assert!(matches!(
+                parse_cursor(&cursor(42, tag("t", &other_scope)), t),
+                Err(StoreError::Invalid(_))
+            ));
+        }
+
+        #[test]
+        fn statement_shapes() {
+            let q = ListQuery {
+                state: StateFilter::Completed,
+                scope: Some(Scope::new("s").expect("scope")),
+                limit: 7,
+                cursor: None,
+            };
+            let st = statement(Dialect::Sqlite, "\"idem_records\"", true, &q).expect("sql");
+            assert_eq!(
+                st.sql,
+                "SELECT scope, \"key\", fingerprint, state, fence, deadline, response, ?1 AS now_ms \
+                 FROM \"idem_records\" WHERE state = 1 AND deadline > ?1 AND scope = ?2 \
+                 ORDER BY fence DESC LIMIT ?3"
+            );
+            assert_eq!(st.rows, 8);
+            let paged = ListQuery {
+                cursor: Some(cursor(9, tag("\"idem_records\"", &q))),
+                ..q.clone()
+            };
+            let st = statement(Dialect::Sqlite, "\"idem_records\"", true, &paged).expect("sql");
+            assert!(
+                st.sql
+                    .contains("AND fence < ?3 ORDER BY fence DESC LIMIT ?4"),
+                "{}",
+                st.sql
+            );
+            for limit in [0, idem_core::admin::MAX_LIST_LIMIT + 1] {
+                let q = ListQuery {
+                    limit,
+                    ..ListQuery::default()
+                };
+                assert!(matches!(
+                    statement(Dialect::Sqlite, "t", true, &q),
+                    Err(StoreError::Invalid(_))
+                ));
+            }
+        }
+    }
+}
+
 /// Checks that a server URL has one of `schemes` (compared without case).
 ///
 /// # Errors

@@ -53,6 +53,18 @@ impl Dialect {
     pub(crate) const PG_STATEMENT_NOW_MS: &'static str =
         "floor(extract(epoch FROM now()) * 1000)::bigint";
 
+    /// The database's clock in ms, constant within one statement (so it
+    /// can be compared on every row of a scan): [`Self::now_ms`], except on
+    /// PostgreSQL, whose `clock_timestamp()` moves during a statement, where
+    /// it is `now()` (the statement's start).
+    pub(crate) const fn stable_now_ms(self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Self::Postgres => Self::PG_STATEMENT_NOW_MS,
+            _ => self.now_ms(),
+        }
+    }
+
     /// `ident` quoted as an identifier (`"name"`, MySQL `` `name` ``).
     /// Only for names that passed [`is_plain_ident`]: no quote character
     /// can occur in them.

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::admin::{ListPage, ListQuery};
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, Phase, Record, Scope, Store, StoreError,
+    Begin, BeginRequest, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope, Store, StoreError,
     StoredResponse,
 };
 use rand::Rng;
@@ -15,7 +16,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{Connection, Executor, Row};
 
 use crate::common::{
-    self, bind_key, bind_lease, classify, lease_kept, millis, ms_i64, now_of, to_i64,
+    self, bind_key, bind_lease, classify, lease_kept, list, millis, ms_i64, now_of, to_i64,
     validate_ident, with_retries, Failure, RawRecord, IN_PROGRESS, MAX_TABLE_LEN, PURGE_BATCH,
     SETTLE_ROUNDS,
 };
@@ -244,13 +245,18 @@ impl Statements {
             ),
             // ? scope, key, fingerprint, placeholder, lease; fingerprint,
             // placeholder, lease.
+            //
+            // A takeover reports the state it replaced through
+            // LAST_INSERT_ID(expr) (the table has no AUTO_INCREMENT, so the
+            // statement reports nothing else): state + 1, so 1 an ended
+            // claim (`took_over`), 2 an ended result; a plain insert reports 0.
             claim: format!(
                 "INSERT INTO {records} (scope, `key`, fingerprint, state, fence, deadline, response) \
                  VALUES (?, ?, ?, 0, ?, {NOW_MS} + ?, NULL) \
                  ON DUPLICATE KEY UPDATE \
                    fingerprint = IF({expired}, ?, fingerprint), \
                    response = IF({expired}, NULL, response), \
-                   state = IF({expired}, 0, state), \
+                   state = IF({expired}, 0 * LAST_INSERT_ID(state + 1), state), \
                    fence = IF({expired}, ?, fence), \
                    deadline = IF({expired}, {NOW_MS} + ?, deadline)"
             ),
@@ -536,7 +542,7 @@ impl MySqlStore {
         let lease = common::span_ms(req.lease);
         let claimed = async {
             let mut tx = conn.begin().await?;
-            sqlx::query(&sql.claim)
+            let replaced = sqlx::query(&sql.claim)
                 .bind(scope)
                 .bind(key)
                 .bind(fp)
@@ -546,7 +552,9 @@ impl MySqlStore {
                 .bind(placeholder)
                 .bind(lease)
                 .execute(&mut *tx)
-                .await?;
+                .await?
+                .last_insert_id();
+            let took_over = replaced == 1;
             // We hold the row's lock now, whether it is ours or not.
             let fence = sqlx::query(&sql.next_fence)
                 .execute(&mut *tx)
@@ -566,12 +574,14 @@ impl MySqlStore {
                         Some(row) => Claim::Acquired {
                             fence,
                             until: row.try_get("deadline")?,
+                            took_over,
                         },
                         None => Claim::Vanished,
                     },
                     until => Claim::Acquired {
                         fence,
                         until: i64::try_from(until).unwrap_or(i64::MAX),
+                        took_over,
                     },
                 }
             } else {
@@ -586,11 +596,16 @@ impl MySqlStore {
         .await
         .map_err(|e| classify(P, e))?;
         Ok(match claimed {
-            Claim::Acquired { fence, until } => Step::Done(Begin::Acquired(Lease {
+            Claim::Acquired {
+                fence,
+                until,
+                took_over,
+            } => Step::Done(Begin::Acquired(Lease {
                 scope: req.scope.clone(),
                 key: req.key.clone(),
                 fence,
                 until: millis(until),
+                took_over,
             })),
             // Read under the lock the claim's upsert held, so this is the
             // version that stopped the takeover: live when it was checked,
@@ -631,8 +646,13 @@ async fn locked_row(
 /// What a claim transaction found.
 #[derive(Debug)]
 enum Claim {
-    /// The key is ours with this fence and lease end (ms).
-    Acquired { fence: u64, until: i64 },
+    /// The key is ours with this fence and lease end (ms), taken over
+    /// from an ended claim or not.
+    Acquired {
+        fence: u64,
+        until: i64,
+        took_over: bool,
+    },
     /// The record was live: its row, read under our lock.
     Existing(MySqlRow),
     /// The row disappeared under our lock (cannot happen with InnoDB; start over).
@@ -901,6 +921,39 @@ impl Store for MySqlStore {
             Ok(claim(self.read(P, scope, key).await?).map(|(f, _)| f))
         })
         .await
+    }
+
+    fn admin(&self) -> Option<&dyn KeyAdmin> {
+        Some(self)
+    }
+}
+
+/// Listing: one `SELECT … ORDER BY fence DESC LIMIT n` per page (the
+/// shared statement of the SQL stores), newest claim first, a plain
+/// consistent read (no locks) at `READ COMMITTED`, time by the server's
+/// clock. Without a scope filter InnoDB scans the table and sorts for the
+/// newest `n + 1` rows (a filesort bounded by the page); with one it reads
+/// only that scope's rows through the primary key. Retried on a deadlock;
+/// bounded by the statement time limit.
+#[async_trait]
+impl KeyAdmin for MySqlStore {
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        const P: Phase = Phase::List;
+        let records = self.inner.table.as_str();
+        let st = list::statement(MY, records, false, query)?;
+        let rows = with_retries(P, || {
+            self.attempt(
+                P,
+                list::bind(MY, &st, None, sqlx::query(&st.sql)).fetch_all(&self.inner.pool),
+            )
+        })
+        .await?;
+        list::page::<_, i8>(records, query, &rows)
+    }
+
+    /// Newest claim first (by fence), in every state.
+    fn newest_first(&self) -> bool {
+        true
     }
 }
 

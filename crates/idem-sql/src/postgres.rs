@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::admin::{ListPage, ListQuery};
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, Phase, Record, Scope, Store, StoreError,
+    Begin, BeginRequest, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope, Store, StoreError,
     StoredResponse,
 };
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
@@ -15,9 +16,9 @@ use sqlx::Connection;
 use tokio::sync::broadcast;
 
 use crate::common::{
-    self, bind_key, bind_lease, classify, column, lease_kept, millis, ms_i64, now_of, record_hash,
-    validate_ident, with_retries, Failure, RawRecord, MAX_SCHEMA_LEN, MAX_TABLE_LEN, PURGE_BATCH,
-    SETTLE_ROUNDS,
+    self, bind_key, bind_lease, classify, column, lease_kept, list, millis, ms_i64, now_of,
+    record_hash, validate_ident, with_retries, Failure, RawRecord, MAX_SCHEMA_LEN, MAX_TABLE_LEN,
+    PURGE_BATCH, SETTLE_ROUNDS,
 };
 use crate::dialect::Dialect;
 
@@ -300,6 +301,16 @@ impl Statements {
             // * Time is the database's: the DO UPDATE re-reads the clock after
             //   any lock wait, so a wait neither lets a live lease be taken
             //   over nor shortens the new lease.
+            // * `took_over` (an ended claim was taken over, not a fresh key or
+            //   an ended result replaced) needs the row the claim replaced:
+            //   `xmax <> 0` on the returned row says the upsert updated rather
+            //   than inserted, and `cur` says what it replaced. When the row
+            //   changed between the snapshot and the claim (another claim
+            //   came and ended in that instant), `cur` is stale: a row that
+            //   appeared meanwhile was inserted, so in progress (counted as
+            //   taken over); a result that turned into an ended claim in that
+            //   window is missed. Only a lease or TTL shorter than that race
+            //   window can make it wrong.
             begin: format!(
                 "WITH cur AS ( \
                    SELECT fingerprint, state, fence, deadline, response FROM {records} \
@@ -316,13 +327,16 @@ impl Statements {
                      SET fingerprint = EXCLUDED.fingerprint, state = 0, fence = EXCLUDED.fence, \
                          deadline = {NOW_MS} + $4, response = NULL \
                      WHERE r.deadline <= {NOW_MS} \
-                   RETURNING r.fingerprint, r.state, r.fence, r.deadline \
+                   RETURNING r.fingerprint, r.state, r.fence, r.deadline, \
+                             (r.xmax <> 0) AS replaced \
                  ) \
                  SELECT true AS claimed, fingerprint, state, fence, deadline, \
-                        NULL::bytea AS response, (SELECT now_ms FROM clk) AS now_ms FROM claim \
+                        NULL::bytea AS response, (SELECT now_ms FROM clk) AS now_ms, \
+                        (replaced AND COALESCE((SELECT state = 0 FROM cur), true)) AS took_over \
+                 FROM claim \
                  UNION ALL \
                  SELECT false, fingerprint, state, fence, deadline, response, \
-                        (SELECT now_ms FROM clk) FROM cur"
+                        (SELECT now_ms FROM clk), false FROM cur"
             ),
             // $1 ttl (ms), $2 response, $3 scope, $4 key, $5 fence, $6 channel, $7 payload.
             complete: finish(
@@ -685,6 +699,7 @@ impl Store for PostgresStore {
                         key: req.key.clone(),
                         fence: raw.fence(P)?,
                         until: raw.until(),
+                        took_over: column(row, "took_over", P)?,
                     }));
                 }
                 current = Some((raw, now_of(row, P)?));
@@ -844,6 +859,36 @@ impl Store for PostgresStore {
                 .await
             }
         }
+    }
+
+    fn admin(&self) -> Option<&dyn KeyAdmin> {
+        Some(self)
+    }
+}
+
+/// Listing: one `SELECT … ORDER BY fence DESC LIMIT n` per page (the
+/// shared statement of the SQL stores), newest claim first, in its own
+/// autocommit `READ COMMITTED` snapshot, time by the database's `now()`.
+/// Without a scope filter PostgreSQL scans the table and keeps the newest
+/// `n + 1` rows (a top-N sort: memory bounded by the page); with one it
+/// reads only that scope's rows through the primary key. Retried like every
+/// step on a serialization failure or deadlock; bounded by the statement
+/// timeout.
+#[async_trait]
+impl KeyAdmin for PostgresStore {
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        const P: Phase = Phase::List;
+        let records = self.inner.table.as_str();
+        let st = list::statement(PG, records, false, query)?;
+        let rows = self
+            .fetch_all(P, || list::bind(PG, &st, None, sqlx::query(&st.sql)))
+            .await?;
+        list::page::<_, i16>(records, query, &rows)
+    }
+
+    /// Newest claim first (by fence), in every state.
+    fn newest_first(&self) -> bool {
+        true
     }
 }
 

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::admin::{ListPage, ListQuery};
 use idem_core::{
-    duration_ms, Begin, BeginRequest, Clock, IdempotencyKey, Lease, Phase, Record, Scope,
+    duration_ms, Begin, BeginRequest, Clock, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope,
     SharedClock, Store, StoreError, StoredResponse, SystemClock,
 };
 use sqlx::migrate::{MigrateError, Migrator};
@@ -17,8 +18,10 @@ use sqlx::sqlite::{
 use sqlx::SqliteConnection;
 
 use crate::common::{
-    in_batches, lease_kept, millis, poll_while_claimed, retry, to_i64, RawRecord, PURGE_BATCH,
+    in_batches, lease_kept, list, millis, poll_while_claimed, retry, to_i64, RawRecord,
+    IN_PROGRESS, PURGE_BATCH,
 };
+use crate::dialect::Dialect;
 
 /// The embedded schema migrations (`migrations/sqlite` in this crate).
 static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
@@ -335,12 +338,16 @@ impl Store for SqliteStore {
         // Read the time once the lock is held, so waiting for it does not
         // shorten the new lease.
         let now = self.now();
+        // An ended claim (in progress past its lease) is taken over; an
+        // ended result is simply replaced.
+        let mut took_over = false;
         if let Some(row) = read_record(&mut tx, &req.scope, &req.key, P).await? {
             if row.is_live(now) {
                 let answer = row.answer(req, now, P);
                 tx.rollback().await.map_err(unavailable(P))?;
                 return answer;
             }
+            took_over = row.state == IN_PROGRESS;
         }
         let fence: i64 = sqlx::query_scalar(
             "INSERT INTO idem_fence (id, last) VALUES (1, ?1) \
@@ -374,6 +381,7 @@ impl Store for SqliteStore {
             key: req.key.clone(),
             fence,
             until: millis(until),
+            took_over,
         }))
     }
 
@@ -497,6 +505,39 @@ impl Store for SqliteStore {
             Ok(claim(self.read_pooled(scope, key, P).await?, self.now()))
         })
         .await
+    }
+
+    fn admin(&self) -> Option<&dyn KeyAdmin> {
+        Some(self)
+    }
+}
+
+/// The records table, as the listing names it.
+const RECORDS: &str = "\"idem_records\"";
+
+/// Listing: one `SELECT … ORDER BY fence DESC LIMIT n` per page, newest
+/// claim first (see the crate's `docs/STORES.md`). Without a scope filter
+/// SQLite walks the table and keeps the newest `n + 1` rows (cost grows
+/// with the table, memory with the page); with one it walks only that
+/// scope's rows (the primary key starts with the scope). The read takes no
+/// write lock and sees one snapshot; time is the store's clock, as for `get`.
+#[async_trait]
+impl KeyAdmin for SqliteStore {
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        const P: Phase = Phase::List;
+        const D: Dialect = Dialect::Sqlite;
+        let st = list::statement(D, RECORDS, true, query)?;
+        let mut conn = self.pool.acquire().await.map_err(unavailable(P))?;
+        let rows = list::bind(D, &st, Some(self.now()), sqlx::query(&st.sql))
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(unavailable(P))?;
+        list::page::<_, i64>(RECORDS, query, &rows)
+    }
+
+    /// Newest claim first (by fence), in every state.
+    fn newest_first(&self) -> bool {
+        true
     }
 }
 

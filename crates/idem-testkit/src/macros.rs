@@ -3,6 +3,8 @@
 /// Writes a module `$module` (e.g. `conformance`, inside a module named
 /// `<store>_tests`) with one `#[tokio::test]` per check of
 /// [`store_checks`](crate::store_checks),
+/// [`admin_checks`](crate::admin_checks) (the store must offer listing:
+/// [`Store::admin`](idem_core::Store::admin) is `Some`),
 /// [`engine_checks`](crate::engine_checks) and
 /// [`token_checks`](crate::token_checks).
 ///
@@ -30,6 +32,7 @@ macro_rules! conformance_tests {
                 mismatch_in_flight_and_after_completion,
                 release_then_reclaim,
                 lease_expiry_takeover_by_one,
+                took_over_only_after_an_ended_claim,
                 sub_second_lease,
                 stale_fence_rejected,
                 late_complete_without_takeover_is_kept,
@@ -42,6 +45,13 @@ macro_rules! conformance_tests {
                 wait_for_change_returns_by_max,
                 odd_keys_and_scopes_round_trip,
                 same_key_in_two_scopes_independent,
+            ]
+            admin_checks: [
+                list_filters_by_state_and_scope,
+                list_pages_visit_every_record_once,
+                list_hides_expired_results_shows_ended_claims,
+                list_after_delete,
+                list_refuses_bad_limits_and_cursors,
             ]
             engine_checks: [
                 engine_runs_once_under_concurrency,
@@ -67,6 +77,7 @@ macro_rules! conformance_tests {
     };
     (@module $module:ident, $make:expr;
         store_checks: [$($store_check:ident),* $(,)?]
+        admin_checks: [$($admin_check:ident),* $(,)?]
         engine_checks: [$($engine_check:ident),* $(,)?]
         token_checks: [$($token_check:ident),* $(,)?]
     ) => {
@@ -78,6 +89,13 @@ macro_rules! conformance_tests {
                 async fn $store_check() {
                     let harness = ($make)().await;
                     $crate::store_checks::$store_check(&harness).await;
+                }
+            )*
+            $(
+                #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $admin_check() {
+                    let harness = ($make)().await;
+                    $crate::admin_checks::$admin_check(&harness).await;
                 }
             )*
             $(
