@@ -543,10 +543,15 @@ fn table(page: &KeyPage, now: u64) -> String {
         .count();
     let _ = writeln!(
         out,
-        "{} record{} ({flights} in flight, {} completed)",
+        "{} record{} ({flights} in flight, {} completed; {})",
         page.records.len(),
         if page.records.len() == 1 { "" } else { "s" },
-        page.records.len() - flights
+        page.records.len() - flights,
+        if page.newest_first {
+            "newest first"
+        } else {
+            "in no particular order"
+        }
     );
     if let Some(next) = &page.next {
         let _ = writeln!(out, "more: add --cursor {next}");
@@ -646,6 +651,7 @@ mod tests {
         let page = KeyPage {
             records: vec![rec("in-flight"), rec("completed")],
             next: Some("f41".into()),
+            newest_first: true,
         };
         let t = table(&page, 1_000_000);
         let lines: Vec<&str> = t.lines().collect();
@@ -664,7 +670,10 @@ mod tests {
             "{t}"
         );
         assert!(lines[2].ends_with("0123456789abcdef"), "{t}");
-        assert_eq!(lines[3], "2 records (1 in flight, 1 completed)");
+        assert_eq!(
+            lines[3],
+            "2 records (1 in flight, 1 completed; newest first)"
+        );
         assert_eq!(lines[4], "more: add --cursor f41");
         assert_eq!(table(&KeyPage::default(), 0), "no records\n");
         let stale = until(&rec("in-flight"), 1_020_000);

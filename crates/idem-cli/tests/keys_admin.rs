@@ -772,6 +772,6 @@ async fn idem_keys_reports_bad_flags_and_unreachable_stores() {
     let (stdout, _) = succeeded(&out, "idem keys list with IDEM_STORE");
     assert_eq!(
         json(&stdout),
-        serde_json::json!({"records": [], "next": null})
+        serde_json::json!({"records": [], "next": null, "newest_first": true})
     );
 }

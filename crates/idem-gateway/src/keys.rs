@@ -37,8 +37,9 @@
 //!   number of stored header fields). Bodies and header values are never
 //!   shown: they may carry customer data.
 //!
-//! A listing is `{"records": [KeyRecord, …], "next": "cursor" | null}`; a
-//! deletion is [`Deleted`]; a purge is `{"purged": 12}`.
+//! A listing is `{"records": [KeyRecord, …], "next": "cursor" | null,
+//! "newest_first": true}` ([`KeyPage`]); a deletion is [`Deleted`]; a purge
+//! is `{"purged": 12}`.
 
 use std::fmt;
 use std::future::Future;
@@ -153,17 +154,23 @@ impl KeyRecord {
     }
 }
 
-/// One page of a listing: `{"records": […], "next": "…" | null}`.
+/// One page of a listing:
+/// `{"records": […], "next": "…" | null, "newest_first": true}`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct KeyPage {
-    /// The records, in the store's order (newest first where it can).
+    /// The records, in the store's order.
     pub records: Vec<KeyRecord>,
     /// Pass it as the cursor to get the next page; `null` on the last one.
     pub next: Option<String>,
+    /// Whether the records of one state come newest first
+    /// ([`idem_core::KeyAdmin::newest_first`]: the memory and SQL stores;
+    /// the Redis store lists in no particular order).
+    pub newest_first: bool,
 }
 
-impl From<&ListPage> for KeyPage {
-    fn from(page: &ListPage) -> Self {
+impl KeyPage {
+    /// The shape of `page`; `newest_first` as the store says.
+    pub fn new(page: &ListPage, newest_first: bool) -> Self {
         Self {
             records: page
                 .records
@@ -171,6 +178,7 @@ impl From<&ListPage> for KeyPage {
                 .map(|r| KeyRecord::new(&r.scope, &r.key, &r.record))
                 .collect(),
             next: page.next.clone(),
+            newest_first,
         }
     }
 }
@@ -238,7 +246,7 @@ pub async fn list(
     query.validate()?;
     let admin = store.admin().ok_or(KeysError::NoListing)?;
     let page = bounded(Phase::List, timeout, admin.list(query)).await?;
-    Ok(KeyPage::from(&page))
+    Ok(KeyPage::new(&page, admin.newest_first()))
 }
 
 /// The record of `key` in `scope` (`None`: absent, or past its TTL or

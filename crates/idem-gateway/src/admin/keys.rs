@@ -4,7 +4,7 @@
 //!
 //! | request | answer |
 //! |---|---|
-//! | `GET /keys?state=&scope=&limit=&cursor=` | 200 `{"records": [record, …], "next": cursor \| null}` |
+//! | `GET /keys?state=&scope=&limit=&cursor=` | 200 `{"records": [record, …], "next": cursor \| null, "newest_first": bool}` |
 //! | `GET /keys/{scope}/{key}` | 200 record; 404 `key-not-found` |
 //! | `DELETE /keys/{scope}/{key}` | 200 `{"deleted": true, "key", "scope", "key_hash", "record"}`; 404 `key-not-found` |
 //! | `POST /keys/purge` | 200 `{"purged": N}` (expired records removed) |
