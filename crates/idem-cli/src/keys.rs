@@ -592,12 +592,12 @@ fn details(rec: &KeyRecord, now: u64) -> String {
 fn deleted(d: &Deleted, now: u64) -> String {
     let what = match &d.record {
         Some(r) if r.state == ops::STATE_IN_FLIGHT => format!(
-            "it was in flight (fence {}, {}); the next request with this key runs",
+            "it was in flight, fence {}, {}; the next request with this key runs",
             r.fence.unwrap_or_default(),
             until(r, now)
         ),
         Some(r) => format!(
-            "it was completed ({}, {}); the next request with this key runs again",
+            "it was completed, response {}, {}; the next request with this key runs again",
             response(r),
             until(r, now)
         ),
