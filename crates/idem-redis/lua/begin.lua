@@ -1,6 +1,7 @@
 -- begin: claim a key, or say why not. One atomic step.
 -- KEYS[1] the record (hash)   KEYS[2] the fence counter (string)
 -- ARGV[1] fingerprint (32 raw bytes)   ARGV[2] lease (ms)   ARGV[3] keep_expired (ms)
+-- ARGV[4] scope   ARGV[5] key (kept in the record for listing)
 -- Returns one of
 --   {'acquired', fence, lease_until_ms, took_over}  (took_over: 1 when an
 --     ended claim was taken over, 0 for an absent key or an ended result)
@@ -74,7 +75,7 @@ local lease_until = now + lease
 local gone_at = lease_until + keep
 redis.call('DEL', rec)
 redis.call('HSET', rec, 'state', 'in_progress', 'fingerprint', fp,
-  'fence', int(fence), 'lease_until', int(lease_until))
+  'fence', int(fence), 'lease_until', int(lease_until), 'scope', ARGV[4], 'key', ARGV[5])
 redis.call('PEXPIREAT', rec, int(gone_at))
 keep_fence(fkey, int(fence), gone_at, keep)
 return {'acquired', fence, lease_until, took_over}

@@ -4,9 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use idem_core::admin::{ListPage, ListQuery, ListedRecord, StateFilter};
 use idem_core::{
-    duration_ms, Begin, BeginRequest, Fingerprint, IdempotencyKey, Lease, Millis, Phase, Record,
-    RecordState, Scope, Store, StoreError, StoredResponse,
+    duration_ms, Begin, BeginRequest, Fingerprint, IdempotencyKey, KeyAdmin, Lease, Millis, Phase,
+    Record, RecordState, Scope, Store, StoreError, StoredResponse,
 };
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::Value;
@@ -182,40 +183,51 @@ impl RedisStore {
         })
     }
 
+    /// One `SCAN` step on one node (`None`: the single server) from
+    /// `cursor`: the next cursor and the record keys of this prefix found.
+    async fn scan_step(
+        &self,
+        phase: Phase,
+        node: Option<&(String, u16)>,
+        cursor: u64,
+    ) -> Result<(u64, Vec<String>), StoreError> {
+        let pattern = record_pattern(&self.inner.options.key_prefix);
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(self.inner.options.scan_count)
+            .arg("TYPE")
+            .arg("hash");
+        let mut conn = self.inner.conn.clone();
+        let reply = bounded(phase, self.inner.options.response_timeout, async {
+            match (&mut conn, node) {
+                (Conn::Cluster(c), Some((host, port))) => {
+                    c.route_command(
+                        scan,
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                            host: host.clone(),
+                            port: *port,
+                        }),
+                    )
+                    .await
+                }
+                _ => scan.query_async::<Value>(&mut conn).await,
+            }
+        })
+        .await?;
+        decode_scan(reply).map_err(|d| StoreError::corrupt(phase, d))
+    }
+
     /// Scans one node (`None`: the single server) for records and purges
     /// the ended ones.
     async fn purge_node(&self, node: Option<(String, u16)>) -> Result<u64, StoreError> {
         const P: Phase = Phase::Purge;
-        let pattern = record_pattern(&self.inner.options.key_prefix);
         let mut cursor: u64 = 0;
         let mut purged = 0;
         loop {
-            let mut scan = redis::cmd("SCAN");
-            scan.arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(self.inner.options.scan_count)
-                .arg("TYPE")
-                .arg("hash");
-            let mut conn = self.inner.conn.clone();
-            let reply = bounded(P, self.inner.options.response_timeout, async {
-                match (&mut conn, &node) {
-                    (Conn::Cluster(c), Some((host, port))) => {
-                        c.route_command(
-                            scan,
-                            RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                                host: host.clone(),
-                                port: *port,
-                            }),
-                        )
-                        .await
-                    }
-                    _ => scan.query_async::<Value>(&mut conn).await,
-                }
-            })
-            .await?;
-            let (next, found) = decode_scan(reply).map_err(|d| StoreError::corrupt(P, d))?;
+            let (next, found) = self.scan_step(P, node.as_ref(), cursor).await?;
             let results = futures::future::join_all(found.iter().map(|record| {
                 let channel = RecordKeys::channel_of(record);
                 async move {
@@ -236,15 +248,14 @@ impl RedisStore {
         }
     }
 
-    /// The primaries of the Cluster, as (host, port).
-    async fn primaries(&self) -> Result<Vec<(String, u16)>, StoreError> {
-        const P: Phase = Phase::Purge;
+    /// The primaries of the Cluster, as (host, port), sorted.
+    async fn primaries(&self, phase: Phase) -> Result<Vec<(String, u16)>, StoreError> {
         let Conn::Cluster(c) = &self.inner.conn else {
             return Ok(Vec::new());
         };
         let mut c = c.clone();
         let reply = bounded(
-            P,
+            phase,
             self.inner.options.response_timeout,
             c.route_command(
                 redis::cmd("PING"),
@@ -254,7 +265,7 @@ impl RedisStore {
         .await?;
         let Value::Map(nodes) = reply else {
             return Err(StoreError::corrupt(
-                P,
+                phase,
                 format!("unexpected answer to PING on all primaries: {reply:?}"),
             ));
         };
@@ -263,14 +274,20 @@ impl RedisStore {
             .map(|(addr, _)| {
                 let addr = text(&addr)
                     .and_then(|a| std::str::from_utf8(a).ok())
-                    .ok_or_else(|| StoreError::corrupt(P, "node address is not text"))?;
+                    .ok_or_else(|| StoreError::corrupt(phase, "node address is not text"))?;
                 let (host, port) = addr
                     .rsplit_once(':')
                     .and_then(|(h, p)| Some((h.to_owned(), p.parse().ok()?)))
-                    .ok_or_else(|| StoreError::corrupt(P, format!("bad node address {addr:?}")))?;
+                    .ok_or_else(|| {
+                        StoreError::corrupt(phase, format!("bad node address {addr:?}"))
+                    })?;
                 Ok((host, port))
             })
-            .collect()
+            .collect::<Result<Vec<_>, StoreError>>()
+            .map(|mut nodes| {
+                nodes.sort();
+                nodes
+            })
     }
 }
 
@@ -293,6 +310,8 @@ impl Store for RedisStore {
                     req.fingerprint.as_bytes(),
                     lease.as_bytes(),
                     keep.as_bytes(),
+                    req.scope.as_str().as_bytes(),
+                    req.key.as_str().as_bytes(),
                 ],
             )
             .await?;
@@ -480,7 +499,7 @@ impl Store for RedisStore {
             return self.purge_node(None).await;
         }
         let mut purged = 0;
-        for node in self.primaries().await? {
+        for node in self.primaries(Phase::Purge).await? {
             purged += self.purge_node(Some(node)).await?;
         }
         Ok(purged)
@@ -546,6 +565,264 @@ impl Store for RedisStore {
             }
         }
     }
+
+    fn admin(&self) -> Option<&dyn KeyAdmin> {
+        Some(self)
+    }
+}
+
+/// Most `SCAN` steps one [`KeyAdmin::list`] call takes (each asks a node for
+/// [`RedisOptions::scan_count`] keys, default 500): a page may hold fewer
+/// records than asked for, with a cursor to go on from.
+const LIST_SCAN_STEPS: usize = 32;
+
+/// Records read at once (one `get.lua` each) while listing.
+const LIST_READ_CHUNK: usize = 64;
+
+/// Listing: Redis cannot order its keyspace, so a listing walks it with
+/// `SCAN` (every primary of a Cluster in turn, sorted by address), reads
+/// each record of this prefix found (`get.lua`, one round trip each, up to
+/// 64 at once) and keeps those matching the filters. No order: see
+/// [`KeyAdmin::newest_first`].
+///
+/// Cost: `SCAN` visits every key of every node, idem's or not, and the
+/// scope and state filters are applied after reading each record (the key
+/// names are hashes); one call takes at most 32 `SCAN` steps, so a page may
+/// hold fewer records than the limit (even none) with a cursor to go on
+/// from. Consistency as `SCAN`'s: a record present for the whole listing is
+/// listed; one may appear twice when Redis resized its table between pages
+/// (a page itself never repeats a record). Records written before the
+/// record kept its scope and key (`scope`, `key` fields) are not listed;
+/// they end within their lease or TTL. An undecodable record is skipped
+/// with a warning, so one bad record cannot stop a listing.
+///
+/// Cursor: the node's address, the `SCAN` cursor of the step being read,
+/// and the last record of that step already listed (steps are read in key
+/// order), so a step cut short by the limit resumes where it stopped.
+#[async_trait]
+impl KeyAdmin for RedisStore {
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        const P: Phase = Phase::List;
+        query.validate()?;
+        let tag = ListCursor::tag(&self.inner.options.key_prefix, query);
+        let nodes: Vec<Option<(String, u16)>> = if self.is_cluster() {
+            self.primaries(P).await?.into_iter().map(Some).collect()
+        } else {
+            vec![None]
+        };
+        let mut at = match &query.cursor {
+            None => ListCursor::default(),
+            Some(text) => ListCursor::parse(text, &tag)?,
+        };
+        let mut node_i = match &at.node {
+            _ if query.cursor.is_none() => 0,
+            None if !self.is_cluster() => 0,
+            Some(addr) => nodes
+                .iter()
+                .position(|n| n.as_ref().map(node_name).as_deref() == Some(addr.as_str()))
+                .ok_or_else(|| {
+                    StoreError::Invalid(format!(
+                        "cursor names node {addr}, which is no longer a primary of this \
+                         Cluster; start the listing again"
+                    ))
+                })?,
+            None => {
+                return Err(StoreError::Invalid(
+                    "cursor was made on a single Redis, not this Cluster".into(),
+                ))
+            }
+        };
+        let mut records: Vec<ListedRecord> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut steps = 0;
+        loop {
+            let Some(node) = nodes.get(node_i) else {
+                return Ok(ListPage {
+                    records,
+                    next: None,
+                });
+            };
+            if records.len() >= query.limit || steps == LIST_SCAN_STEPS {
+                at.node = node.as_ref().map(node_name);
+                return Ok(ListPage {
+                    records,
+                    next: Some(at.encode(&tag)),
+                });
+            }
+            steps += 1;
+            let (next, mut found) = self.scan_step(P, node.as_ref(), at.scan).await?;
+            found.sort_unstable();
+            found.dedup();
+            if let Some(skip) = &at.after {
+                found.retain(|k| record_hash_of(k).is_some_and(|h| h > skip.as_str()));
+            }
+            let mut stopped = false;
+            'batch: for chunk in found.chunks(LIST_READ_CHUNK) {
+                let reads = futures::future::join_all(
+                    chunk
+                        .iter()
+                        .map(|k| async move { self.run(P, &scripts::GET, &[k], &[]).await }),
+                )
+                .await;
+                for (k, read) in chunk.iter().zip(reads) {
+                    if records.len() >= query.limit {
+                        stopped = true;
+                        break 'batch;
+                    }
+                    at.after = record_hash_of(k).map(str::to_owned);
+                    if let Some(r) = listed(k, read?, query) {
+                        if seen.insert(k.clone()) {
+                            records.push(r);
+                        }
+                    }
+                }
+            }
+            if !stopped {
+                // This step is done: on to the next one, or the next node.
+                at.after = None;
+                at.scan = next;
+                if next == 0 {
+                    node_i += 1;
+                }
+            }
+        }
+    }
+}
+
+/// The listed record of record key `k` from its `get.lua` answer, when it
+/// matches `query`; `None` otherwise (gone, expired, filtered out, without
+/// its scope and key, or undecodable — logged).
+fn listed(k: &str, reply: Value, query: &ListQuery) -> Option<ListedRecord> {
+    const P: Phase = Phase::List;
+    let read = match Read::decode(reply, P) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(record = k, error = %e, "listing skips an undecodable record");
+            return None;
+        }
+    };
+    let record = match read.record_at(P, true) {
+        Ok(Some(r)) => r,
+        Ok(None) => return None,
+        Err(e) => {
+            tracing::warn!(record = k, error = %e, "listing skips an undecodable record");
+            return None;
+        }
+    };
+    let Some((scope, key)) = read.names() else {
+        tracing::debug!(
+            record = k,
+            "listing skips a record without its scope and key (written by an older idem)"
+        );
+        return None;
+    };
+    let state_ok = match (&record.state, query.state) {
+        (_, StateFilter::Any) => true,
+        (RecordState::InProgress { .. }, StateFilter::InFlight) => true,
+        (RecordState::Completed { .. }, StateFilter::Completed) => true,
+        _ => false,
+    };
+    if !state_ok || query.scope.as_ref().is_some_and(|s| *s != scope) {
+        return None;
+    }
+    Some(ListedRecord { scope, key, record })
+}
+
+/// `host:port` of a Cluster node.
+fn node_name(n: &(String, u16)) -> String {
+    format!("{}:{}", n.0, n.1)
+}
+
+/// The 64 hex digits that name a record key `{<prefix>:<hex>}:r`.
+fn record_hash_of(k: &str) -> Option<&str> {
+    let body = k.strip_suffix("}:r")?;
+    let h = body.get(body.len().checked_sub(64)?..)?;
+    h.bytes().all(|b| b.is_ascii_hexdigit()).then_some(h)
+}
+
+/// Where a Redis listing goes on; as text
+/// `redis1.<node, hex of host:port, or empty>.<scan cursor>.<last record hash or empty>.<tag>`.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct ListCursor {
+    node: Option<String>,
+    scan: u64,
+    after: Option<String>,
+}
+
+impl ListCursor {
+    const PREFIX: &'static str = "redis1.";
+
+    /// Ties a cursor to one listing: the key prefix and the filters.
+    fn tag(prefix: &str, query: &ListQuery) -> String {
+        use sha2::{Digest, Sha256};
+        let state = match query.state {
+            StateFilter::Any => "any",
+            StateFilter::InFlight => "in-flight",
+            StateFilter::Completed => "completed",
+        };
+        let mut h = Sha256::new();
+        for part in [
+            prefix,
+            state,
+            query.scope.as_ref().map_or("\u{1}every", Scope::as_str),
+        ] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        hex::encode(&h.finalize()[..4])
+    }
+
+    fn encode(&self, tag: &str) -> String {
+        format!(
+            "{}{}.{}.{}.{tag}",
+            Self::PREFIX,
+            self.node.as_deref().map(hex::encode).unwrap_or_default(),
+            self.scan,
+            self.after.as_deref().unwrap_or_default()
+        )
+    }
+
+    /// # Errors
+    /// [`StoreError::Invalid`] for text [`Self::encode`] did not make with
+    /// this `tag`.
+    fn parse(text: &str, tag: &str) -> Result<Self, StoreError> {
+        let bad = || {
+            StoreError::Invalid(format!(
+                "cursor {text:?} was not made by this store's listing"
+            ))
+        };
+        let rest = text.strip_prefix(Self::PREFIX).ok_or_else(bad)?;
+        let parts: Vec<&str> = rest.split('.').collect();
+        let [node, scan, after, t] = parts.as_slice() else {
+            return Err(bad());
+        };
+        if *t != tag {
+            return Err(StoreError::Invalid(format!(
+                "cursor {text:?} belongs to another listing (other prefix, state or scope)"
+            )));
+        }
+        let lower_hex = |s: &str| s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        let node = match *node {
+            "" => None,
+            n if lower_hex(n) && n.len() <= 600 => Some(
+                hex::decode(n)
+                    .ok()
+                    .and_then(|b| String::from_utf8(b).ok())
+                    .ok_or_else(bad)?,
+            ),
+            _ => return Err(bad()),
+        };
+        if scan.is_empty() || scan.len() > 20 || !scan.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        let scan = scan.parse().map_err(|_| bad())?;
+        let after = match *after {
+            "" => None,
+            a if a.len() == 64 && lower_hex(a) => Some(a.to_owned()),
+            _ => return Err(bad()),
+        };
+        Ok(Self { node, scan, after })
+    }
 }
 
 /// A `get.lua` answer: the server's time and the raw record.
@@ -585,6 +862,12 @@ impl Read {
 
     /// The record as of the server's time; `None` when absent or ended.
     fn record(&self, phase: Phase) -> Result<Option<Record>, StoreError> {
+        self.record_at(phase, false)
+    }
+
+    /// Like [`Self::record`]; with `ended_claims`, a claim past its lease
+    /// too (what a listing shows as in flight).
+    fn record_at(&self, phase: Phase, ended_claims: bool) -> Result<Option<Record>, StoreError> {
         let Some(raw) = &self.raw else {
             return Ok(None);
         };
@@ -605,7 +888,7 @@ impl Read {
             Some(b"in_progress") => {
                 let lease_until = Millis(number(3, "lease_until")?);
                 let fence = number(2, "fence")?;
-                if lease_until <= self.now {
+                if lease_until <= self.now && !ended_claims {
                     return Ok(None);
                 }
                 RecordState::InProgress { fence, lease_until }
@@ -636,6 +919,21 @@ impl Read {
             }
         };
         Ok(Some(Record { fingerprint, state }))
+    }
+
+    /// The scope and key kept in the record (fields `scope`, `key`);
+    /// `None` for a record written before they were kept, or a value that
+    /// is not a valid scope or key.
+    fn names(&self) -> Option<(Scope, IdempotencyKey)> {
+        let raw = self.raw.as_ref()?;
+        let field = |i: usize| {
+            raw.get(i)
+                .and_then(text)
+                .and_then(|b| std::str::from_utf8(b).ok())
+        };
+        let scope = Scope::new(field(6)?).ok()?;
+        let key = IdempotencyKey::new(field(7)?).ok()?;
+        Some((scope, key))
     }
 }
 
@@ -767,6 +1065,55 @@ mod tests {
         assert_eq!(ms(Duration::MAX), MAX_MS);
         // Deadlines stay exact in Lua doubles: now (~1.7e12 ms) + 3 × MAX_MS < 2^53.
         const { assert!(2_000_000_000_000 + 3 * MAX_MS < 1 << 53) };
+    }
+
+    #[test]
+    fn list_cursors_round_trip_and_refuse_strangers() {
+        let q = ListQuery::default();
+        let tag = ListCursor::tag("idem", &q);
+        let c = ListCursor {
+            node: Some("127.0.0.1:7000".into()),
+            scan: 12345,
+            after: Some("ab".repeat(32)),
+        };
+        let text = c.encode(&tag);
+        assert_eq!(ListCursor::parse(&text, &tag).expect("ours"), c);
+        let plain = ListCursor::default();
+        assert_eq!(
+            ListCursor::parse(&plain.encode(&tag), &tag).expect("ours"),
+            plain
+        );
+        let other = ListQuery {
+            state: StateFilter::Completed,
+            ..ListQuery::default()
+        };
+        assert_ne!(ListCursor::tag("idem", &other), tag);
+        assert_ne!(ListCursor::tag("idem2", &q), tag);
+        for bad in [
+            String::new(),
+            "redis1.".into(),
+            "redis1...".into(),
+            format!("redis1..x.{}.{tag}", ""),
+            format!("redis1..1.{}.{tag}", "AB".repeat(32)),
+            format!("redis1..1.abc.{tag}"),
+            format!("redis1.zz.1..{tag}"),
+            format!("redis1..1..{tag}.x"),
+            format!("redis1..99999999999999999999999.{tag}"),
+            format!("sql1-000000000000002a-{tag}"),
+            format!("redis1..1..{}", ListCursor::tag("idem", &other)),
+        ] {
+            assert!(
+                matches!(ListCursor::parse(&bad, &tag), Err(StoreError::Invalid(_))),
+                "{bad:?}"
+            );
+        }
+        let k = RecordKeys::new(
+            "idem",
+            &Scope::new("s").expect("scope"),
+            &IdempotencyKey::new("k").expect("key"),
+        );
+        assert_eq!(record_hash_of(&k.record).map(str::len), Some(64));
+        assert_eq!(record_hash_of("{idem:short}:r"), None);
     }
 
     #[test]

@@ -154,7 +154,10 @@ async fn cluster_store() -> RedisStore {
 }
 
 idem_testkit::conformance_tests!(cluster_tests, || async {
-    SleepingHarness(cluster_store().await)
+    let url = tokio::task::spawn_blocking(|| cluster().url())
+        .await
+        .expect("start the cluster");
+    SleepingHarness(connect(&url, common::check_options()).await)
 });
 
 const MIN: Duration = Duration::from_secs(60);

@@ -25,7 +25,7 @@ use idem_testkit::SleepingHarness;
 use redis::AsyncCommands;
 
 idem_testkit::conformance_tests!(redis_tests, || async {
-    SleepingHarness(shared_store().await)
+    SleepingHarness(connect(&redis_url(), common::check_options()).await)
 });
 
 const MIN: Duration = Duration::from_secs(60);
@@ -602,5 +602,85 @@ mod redis_only {
             RedisStore::connect_with(&redis_url(), test_options().with_key_prefix("a{b}")).await,
             Err(StoreError::Config(_))
         ));
+    }
+
+    /// Listing with a tiny `SCAN` step (`COUNT 2`, so a call's 32 steps
+    /// cover only part of the keyspace): pages may be short or empty, but
+    /// following the cursors visits every record once. Records without
+    /// their scope and key (written by an older idem) and undecodable ones
+    /// are skipped, not errors.
+    #[tokio::test]
+    async fn listing_with_short_scan_steps_and_odd_records() {
+        use idem_core::admin::{ListQuery, StateFilter};
+        let options = common::check_options().with_scan_count(2);
+        let store = connect(&redis_url(), options).await;
+        let a = store.admin().expect("Redis lists");
+        let scope = fresh_scope();
+        let mut want = std::collections::BTreeSet::new();
+        for i in 0..40 {
+            let k = fresh_key(&format!("short-scan-{i}"));
+            acquire(&store, &req(&scope, &k, fp("a"), MIN)).await;
+            want.insert(k.as_str().to_owned());
+        }
+        let mut raw_conn = raw(&redis_url()).await;
+        // An older record: no scope or key fields.
+        let old = store.record_key(&scope, &fresh_key("old"));
+        let _: () = redis::cmd("HSET")
+            .arg(&old)
+            .arg("state")
+            .arg("in_progress")
+            .arg("fingerprint")
+            .arg(&[7u8; 32][..])
+            .arg("fence")
+            .arg("1")
+            .arg("lease_until")
+            .arg("99999999999999")
+            .query_async(&mut raw_conn)
+            .await
+            .expect("HSET");
+        // An undecodable one.
+        let bad = store.record_key(&scope, &fresh_key("bad"));
+        let _: () = redis::cmd("HSET")
+            .arg(&bad)
+            .arg("state")
+            .arg("weird")
+            .arg("scope")
+            .arg(scope.as_str())
+            .query_async(&mut raw_conn)
+            .await
+            .expect("HSET");
+        let mut q = ListQuery {
+            state: StateFilter::InFlight,
+            scope: Some(scope.clone()),
+            limit: 5,
+            cursor: None,
+        };
+        let mut got = Vec::new();
+        let mut pages = 0;
+        loop {
+            let p = a.list(&q).await.expect("list");
+            assert!(p.records.len() <= 5);
+            pages += 1;
+            assert!(pages < 10_000, "the listing does not end");
+            got.extend(p.records.into_iter().map(|r| r.key.as_str().to_owned()));
+            match p.next {
+                Some(c) => q.cursor = Some(c),
+                None => break,
+            }
+        }
+        let set: std::collections::BTreeSet<_> = got.iter().cloned().collect();
+        assert_eq!(set.len(), got.len(), "each record once: {got:?}");
+        assert_eq!(set, want);
+        assert!(
+            pages >= 8,
+            "40 records by 5 take at least 8 pages, took {pages}"
+        );
+        for k in [old, bad] {
+            let _: () = redis::cmd("DEL")
+                .arg(&k)
+                .query_async(&mut raw_conn)
+                .await
+                .expect("DEL");
+        }
     }
 }

@@ -35,6 +35,18 @@ pub fn test_options() -> RedisOptions {
         .with_keep_expired(Duration::from_secs(30))
 }
 
+/// [`test_options`] with a prefix of one check's own (this run's prefix
+/// and a random suffix), for the conformance suite: a check's
+/// `purge_expired` then cannot remove another check's ended claims, which
+/// a listing check expects to see.
+pub fn check_options() -> RedisOptions {
+    test_options().with_key_prefix(format!(
+        "{}-{}",
+        run_prefix(),
+        idem_testkit::support::random_hex(8)
+    ))
+}
+
 /// Connects to `url` or fails the test, naming how to start the server.
 pub async fn connect(url: &str, options: RedisOptions) -> RedisStore {
     match RedisStore::connect_with(url, options).await {
