@@ -211,6 +211,75 @@ fn find<'a>(page: &'a Value, key: &str) -> Option<&'a Value> {
         .find(|r| r["key"] == key)
 }
 
+/// Every page of `idem keys list ARGS… --json`, followed by its cursor
+/// (the Redis store's pages may stop short: it scans a bounded part of the
+/// keyspace per call), merged into one `{"records": […]}`.
+async fn cli_list_all(parts: &[&[&str]]) -> Value {
+    let mut records = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..10_000 {
+        let mut args: Vec<&str> = parts.concat();
+        args.push("--json");
+        if let Some(c) = &cursor {
+            args.extend(["--cursor", c.as_str()]);
+        }
+        let page = json(&keys_ok(&[&args]).await);
+        records.extend(page["records"].as_array().unwrap().iter().cloned());
+        match page["next"].as_str() {
+            Some(n) => cursor = Some(n.to_owned()),
+            None => return serde_json::json!({ "records": records }),
+        }
+    }
+    panic!("the listing did not end");
+}
+
+/// Every page of the table of `idem keys list ARGS…`, joined.
+async fn cli_table_all(parts: &[&[&str]]) -> String {
+    let mut out = String::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..10_000 {
+        let mut args: Vec<&str> = parts.concat();
+        if let Some(c) = &cursor {
+            args.extend(["--cursor", c.as_str()]);
+        }
+        let page = keys_ok(&[&args]).await;
+        out.push_str(&page);
+        match page
+            .lines()
+            .find_map(|l| l.strip_prefix("more: add --cursor "))
+        {
+            Some(n) => cursor = Some(n.trim().to_owned()),
+            None => return out,
+        }
+    }
+    panic!("the listing did not end");
+}
+
+/// Every page of `GET path` (a `/keys?…` listing) on `gw`'s admin listener.
+async fn api_list_all(c: &reqwest::Client, gw: &GatewayProc, path: &str) -> Value {
+    let mut records = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..10_000 {
+        let p = match &cursor {
+            Some(n) => format!("{path}&cursor={}", encode(n)),
+            None => path.to_owned(),
+        };
+        let (status, ct, page) = body_of(admin(c, gw, reqwest::Method::GET, &p)).await;
+        assert_eq!(
+            (status, ct.as_deref()),
+            (200, Some("application/json")),
+            "{p}: {page}"
+        );
+        assert!(page["newest_first"].is_boolean(), "{page}");
+        records.extend(page["records"].as_array().unwrap().iter().cloned());
+        match page["next"].as_str() {
+            Some(n) => cursor = Some(n.to_owned()),
+            None => return serde_json::json!({ "records": records }),
+        }
+    }
+    panic!("the listing did not end");
+}
+
 /// Percent-encodes a key for a `/keys/{scope}/{key}` path.
 fn encode(key: &str) -> String {
     key.bytes()
@@ -326,7 +395,7 @@ async fn stuck_keys_are_found_and_freed(store: &str, kind: &str) {
     // ---- idem keys
     let st = ["--store", store];
     let scope1 = format!("authorization:{auth1}");
-    let page = json(&keys_ok(&[&["list"], &st, &["--state", "in-flight", "--json"]]).await);
+    let page = cli_list_all(&[&["list"], &st, &["--state", "in-flight"]]).await;
     let r1 = find(&page, &k1).unwrap_or_else(|| panic!("{k1} not listed in flight: {page}"));
     assert_record_shape(r1);
     assert_eq!(r1["state"], "in-flight", "{r1}");
@@ -340,14 +409,14 @@ async fn stuck_keys_are_found_and_freed(store: &str, kind: &str) {
         ["--scope-header", scope1.as_str()],
         ["--scope-hash", scope_hash.as_str()],
     ] {
-        let mine = json(&keys_ok(&[&["list"], &st, &how, &["--json"]]).await);
+        let mine = cli_list_all(&[&["list"], &st, &how]).await;
         assert!(find(&mine, &k1).is_some(), "{how:?}: {mine}");
         assert!(find(&mine, &k2).is_none(), "{how:?}: {mine}");
     }
-    let completed = json(&keys_ok(&[&["list"], &st, &["--state", "completed", "--json"]]).await);
+    let completed = cli_list_all(&[&["list"], &st, &["--state", "completed"]]).await;
     assert!(find(&completed, &k1).is_none(), "{completed}");
 
-    let table = keys_ok(&[&["list"], &st, &["--scope-header", &scope1]]).await;
+    let table = cli_table_all(&[&["list"], &st, &["--scope-header", &scope1]]).await;
     let row = table
         .lines()
         .find(|l| l.starts_with(&k1))
@@ -408,18 +477,7 @@ async fn stuck_keys_are_found_and_freed(store: &str, kind: &str) {
     .await;
     assert_eq!(st401, 401);
 
-    let (status, ct, page) = body_of(admin(
-        &c,
-        &b,
-        reqwest::Method::GET,
-        "/keys?state=in-flight&scope=anonymous",
-    ))
-    .await;
-    assert_eq!(
-        (status, ct.as_deref()),
-        (200, Some("application/json")),
-        "{page}"
-    );
+    let page = api_list_all(&c, &b, "/keys?state=in-flight&scope=anonymous").await;
     let r2 = find(&page, &k2)
         .unwrap_or_else(|| panic!("{k2} not listed: {page}"))
         .clone();
@@ -467,13 +525,7 @@ async fn stuck_keys_are_found_and_freed(store: &str, kind: &str) {
     assert_eq!(up.of_key(&k2), 2);
 
     // Completed now, both of them, with their responses.
-    let (_, _, page) = body_of(admin(
-        &c,
-        &b,
-        reqwest::Method::GET,
-        "/keys?state=completed&limit=1000",
-    ))
-    .await;
+    let page = api_list_all(&c, &b, "/keys?state=completed&limit=1000").await;
     for k in [&k1, &k2] {
         let r = find(&page, k).unwrap_or_else(|| panic!("{k} not completed: {page}"));
         assert_eq!(r["response"]["status"], 201, "{r}");
