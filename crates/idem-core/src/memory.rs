@@ -1116,7 +1116,7 @@ impl KeyAdmin for MemoryStore {
             }
         }
         let mut picked: Vec<Listed> = best.into_iter().map(|Reverse(l)| l).collect();
-        picked.sort_unstable_by(|a, b| b.pos.cmp(&a.pos));
+        picked.sort_unstable_by_key(|l| Reverse(l.pos));
         let next = if picked.len() > query.limit {
             picked.truncate(query.limit);
             picked.last().map(|l| l.pos.cursor())
