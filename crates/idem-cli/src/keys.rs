@@ -1,7 +1,7 @@
 //! `idem keys`: find and free keys, talking to the store directly.
 //!
 //! ```text
-//! idem keys list   --store URL [--scope-header NAME:VALUE … | --scope-hash HEX] [--state S] [--limit N] [--cursor C] [--json]
+//! idem keys list   --store URL [--scope-header NAME:VALUE … | --scope-hash HEX] [--state S] [--limit N] [--cursor C | --all] [--json]
 //! idem keys get    --store URL [--scope-header NAME:VALUE … | --scope-hash HEX] KEY [--json]
 //! idem keys delete --store URL [--scope-header NAME:VALUE … | --scope-hash HEX] KEY [--json]
 //! idem keys purge  --store URL [--json]
@@ -129,6 +129,11 @@ struct ListArgs {
     /// Go on after the previous page (the cursor it printed).
     #[arg(long, value_name = "CURSOR")]
     cursor: Option<String>,
+    /// Follow the cursor to the end and print every record at once (a
+    /// Redis page may hold fewer than --limit records, even none, and still
+    /// have a next one). Reads the whole store: mind its size.
+    #[arg(long)]
+    all: bool,
 }
 
 #[derive(Debug, Args)]
@@ -265,19 +270,30 @@ async fn list(a: ListArgs) -> ExitCode {
             limit: a.limit,
             cursor: a.cursor.clone(),
         };
-        let page = ops::list(&*store, &query, a.store.store_timeout)
-            .await
-            .map_err(|e| match e {
-                KeysError::NoListing => {
-                    eprintln!(
-                        "idem keys: the store {} cannot list its records; `idem keys get` \
-                         and `delete` still work when you know the key",
-                        idem_core::url::redact(a.store.store.trim())
-                    );
-                    Failed(ExitCode::FAILURE)
-                }
-                e => store_failed(&a.store, &e),
-            })?;
+        let mut query = query;
+        let mut page = KeyPage::default();
+        loop {
+            let more = ops::list(&*store, &query, a.store.store_timeout)
+                .await
+                .map_err(|e| match e {
+                    KeysError::NoListing => {
+                        eprintln!(
+                            "idem keys: the store {} cannot list its records; `idem keys get` \
+                             and `delete` still work when you know the key",
+                            idem_core::url::redact(a.store.store.trim())
+                        );
+                        Failed(ExitCode::FAILURE)
+                    }
+                    e => store_failed(&a.store, &e),
+                })?;
+            page.records.extend(more.records);
+            page.next = more.next;
+            page.newest_first = more.newest_first;
+            match &page.next {
+                Some(next) if a.all => query.cursor = Some(next.clone()),
+                _ => break,
+            }
+        }
         if a.store.json {
             print_json(&page);
         } else {
@@ -484,6 +500,9 @@ fn table(page: &KeyPage, now: u64) -> String {
     let mut out = String::new();
     if page.records.is_empty() {
         out.push_str("no records\n");
+        if let Some(next) = &page.next {
+            let _ = writeln!(out, "more may follow (this store's pages can be empty): add --cursor {next}, or use --all");
+        }
         return out;
     }
     let head = [
@@ -554,7 +573,7 @@ fn table(page: &KeyPage, now: u64) -> String {
         }
     );
     if let Some(next) = &page.next {
-        let _ = writeln!(out, "more: add --cursor {next}");
+        let _ = writeln!(out, "more: add --cursor {next} (or use --all)");
     }
     out
 }
@@ -674,7 +693,7 @@ mod tests {
             lines[3],
             "2 records (1 in flight, 1 completed; newest first)"
         );
-        assert_eq!(lines[4], "more: add --cursor f41");
+        assert_eq!(lines[4], "more: add --cursor f41 (or use --all)");
         assert_eq!(table(&KeyPage::default(), 0), "no records\n");
         let stale = until(&rec("in-flight"), 1_020_000);
         assert!(

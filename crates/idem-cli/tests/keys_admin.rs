@@ -244,11 +244,12 @@ async fn cli_table_all(parts: &[&[&str]]) -> String {
         }
         let page = keys_ok(&[&args]).await;
         out.push_str(&page);
-        match page
-            .lines()
-            .find_map(|l| l.strip_prefix("more: add --cursor "))
-        {
-            Some(n) => cursor = Some(n.trim().to_owned()),
+        let next = page.lines().find_map(|l| {
+            let (_, n) = l.split_once("add --cursor ")?;
+            n.split_whitespace().next().map(|n| n.trim_end_matches(','))
+        });
+        match next {
+            Some(n) => cursor = Some(n.to_owned()),
             None => return out,
         }
     }
@@ -413,6 +414,12 @@ async fn stuck_keys_are_found_and_freed(store: &str, kind: &str) {
         assert!(find(&mine, &k1).is_some(), "{how:?}: {mine}");
         assert!(find(&mine, &k2).is_none(), "{how:?}: {mine}");
     }
+    let all = json(&keys_ok(&[&["list"], &st, &["--all", "--limit", "1", "--json"]]).await);
+    assert!(all["next"].is_null(), "{all}");
+    assert!(
+        find(&all, &k1).is_some() && find(&all, &k2).is_some(),
+        "--all: {all}"
+    );
     let completed = cli_list_all(&[&["list"], &st, &["--state", "completed"]]).await;
     assert!(find(&completed, &k1).is_none(), "{completed}");
 
