@@ -6,9 +6,12 @@
 //! - `idem demo` starts a sample payment service with a gateway in front of
 //!   it, fires concurrent duplicate requests through the gateway and shows
 //!   that the service ran the charge once.
+//! - `idem keys` lists, shows, deletes and purges records in a store (a key
+//!   stuck in flight after a crash, freed so that a retry runs now).
 
 #[cfg(feature = "demo")]
 mod demo;
+mod keys;
 
 use std::error::Error;
 use std::io::IsTerminal;
@@ -79,6 +82,10 @@ enum Command {
     )]
     Gateway(GatewayArgs),
 
+    /// Find and free keys: list, show, delete or purge records in a store.
+    #[command(long_about = keys::LONG_ABOUT)]
+    Keys(keys::KeysArgs),
+
     /// Start a sample payment service behind a gateway and show that 20
     /// concurrent duplicate requests charge once.
     #[cfg(feature = "demo")]
@@ -108,6 +115,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_filter = match cli.command {
         Command::Gateway(_) => "info",
+        // Tables and JSON go to stdout; stderr gets warnings (a deletion's
+        // who/what/when line) unless RUST_LOG asks for more.
+        Command::Keys(_) => "warn",
         // The demo prints its own story on stdout; logs would interleave with
         // it, so only warnings unless RUST_LOG asks for more.
         #[cfg(feature = "demo")]
@@ -135,6 +145,7 @@ fn main() -> ExitCode {
     runtime.block_on(async move {
         match cli.command {
             Command::Gateway(args) => run_gateway(args).await,
+            Command::Keys(args) => keys::run(args).await,
             #[cfg(feature = "demo")]
             Command::Demo(args) => demo::run(args).await,
             #[cfg(not(feature = "demo"))]

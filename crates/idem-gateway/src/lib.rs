@@ -220,6 +220,7 @@
 mod admin;
 mod config;
 mod guard;
+pub mod keys;
 mod limits;
 mod proxy;
 mod server;

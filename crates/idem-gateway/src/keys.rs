@@ -1,0 +1,560 @@
+//! Key administration shared by `idem keys` and the admin API (`/keys`):
+//! naming a scope, the JSON shape of a record, and the four operations
+//! (list, get, delete, purge), each bounded in time.
+//!
+//! ## The JSON shape of a record ([`KeyRecord`])
+//!
+//! ```json
+//! {
+//!   "key": "order-1",
+//!   "scope": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+//!   "key_hash": "5e2bf57d3f40c4b6",
+//!   "state": "in-flight",
+//!   "fingerprint": "2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae",
+//!   "fence": 1764637200123000,
+//!   "lease_until": "2025-12-02T01:00:30.123Z",
+//!   "lease_until_ms": 1764637230123,
+//!   "expires_at": null,
+//!   "expires_at_ms": null,
+//!   "response": null
+//! }
+//! ```
+//!
+//! - `scope`: 64 lowercase hex digits (the SHA-256 the gateway derives
+//!   from the caller's `--scope-header` fields) or `anonymous`.
+//! - `key_hash`: [`idem_core::key_hash`], how logs and traces name the key.
+//! - `state`: `in-flight` or `completed`.
+//! - `fence`, `lease_until`, `lease_until_ms`: in flight only (else
+//!   `null`); times are RFC 3339 in UTC with milliseconds, and the same
+//!   instant in milliseconds since the Unix epoch, by the store's clock.
+//!   A listed in-flight record whose lease has ended belongs to a holder
+//!   that stopped renewing it: the next request with the key takes it over.
+//! - `expires_at`, `expires_at_ms`: completed only: when the result is
+//!   forgotten.
+//! - `response`: completed only: `{"status": 201, "body_bytes": 57,
+//!   "body_omitted": false, "headers": 3}` (the stored status, the stored
+//!   body's length in bytes, whether the body was too large to keep, the
+//!   number of stored header fields). Bodies and header values are never
+//!   shown: they may carry customer data.
+//!
+//! A listing is `{"records": [KeyRecord, …], "next": "cursor" | null,
+//! "newest_first": true}` ([`KeyPage`]); a deletion is [`Deleted`]; a purge
+//! is `{"purged": 12}`.
+
+use std::fmt;
+use std::future::Future;
+use std::time::{Duration, SystemTime};
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+use idem_core::admin::{ListPage, ListQuery, StateFilter};
+use idem_core::{
+    key_hash, IdempotencyKey, Millis, Phase, Record, RecordState, Scope, Store, StoreError,
+};
+use idem_http::ScopeBy;
+use serde::{Deserialize, Serialize};
+
+/// One record as `idem keys --json` and the admin API show it (see the
+/// [module documentation](self) for each field).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRecord {
+    /// The idempotency key.
+    pub key: String,
+    /// The scope: 64 hex digits or `anonymous`.
+    pub scope: String,
+    /// [`idem_core::key_hash`] of scope and key (16 hex digits).
+    pub key_hash: String,
+    /// `in-flight` or `completed`.
+    pub state: String,
+    /// The request fingerprint, 64 hex digits.
+    pub fingerprint: String,
+    /// The fence of the claim (in flight only).
+    pub fence: Option<u64>,
+    /// When the lease ends, RFC 3339 UTC (in flight only).
+    pub lease_until: Option<String>,
+    /// When the lease ends, ms since the Unix epoch (in flight only).
+    pub lease_until_ms: Option<u64>,
+    /// When the result is forgotten, RFC 3339 UTC (completed only).
+    pub expires_at: Option<String>,
+    /// When the result is forgotten, ms since the Unix epoch (completed only).
+    pub expires_at_ms: Option<u64>,
+    /// The stored response, without its body (completed only).
+    pub response: Option<ResponseSummary>,
+}
+
+/// What is known of a stored response without showing it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResponseSummary {
+    /// The stored HTTP status.
+    pub status: u16,
+    /// The stored body's length in bytes (0 when it was omitted).
+    pub body_bytes: u64,
+    /// Whether the body was larger than the retention limit and not kept
+    /// (a duplicate gets 410).
+    pub body_omitted: bool,
+    /// How many header fields were stored.
+    pub headers: u64,
+}
+
+/// `in-flight`, the [`KeyRecord::state`] of a claimed key.
+pub const STATE_IN_FLIGHT: &str = "in-flight";
+/// `completed`, the [`KeyRecord::state`] of a key with a stored result.
+pub const STATE_COMPLETED: &str = "completed";
+
+/// An instant of the store's clock as RFC 3339 UTC with milliseconds.
+pub fn rfc3339(at: Millis) -> String {
+    let t = SystemTime::UNIX_EPOCH + Duration::from_millis(at.0);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+impl KeyRecord {
+    /// The shape of `record`, the record of `key` in `scope`.
+    pub fn new(scope: &Scope, key: &IdempotencyKey, record: &Record) -> Self {
+        let mut r = Self {
+            key: key.as_str().to_owned(),
+            scope: scope.as_str().to_owned(),
+            key_hash: key_hash(scope, key),
+            state: String::new(),
+            fingerprint: record.fingerprint.to_hex(),
+            fence: None,
+            lease_until: None,
+            lease_until_ms: None,
+            expires_at: None,
+            expires_at_ms: None,
+            response: None,
+        };
+        match &record.state {
+            RecordState::InProgress { fence, lease_until } => {
+                r.state = STATE_IN_FLIGHT.to_owned();
+                r.fence = Some(*fence);
+                r.lease_until = Some(rfc3339(*lease_until));
+                r.lease_until_ms = Some(lease_until.0);
+            }
+            RecordState::Completed {
+                response,
+                expires_at,
+            } => {
+                r.state = STATE_COMPLETED.to_owned();
+                r.expires_at = Some(rfc3339(*expires_at));
+                r.expires_at_ms = Some(expires_at.0);
+                r.response = Some(ResponseSummary {
+                    status: response.status,
+                    body_bytes: response.body.len() as u64,
+                    body_omitted: response.body_omitted,
+                    headers: response.headers.len() as u64,
+                });
+            }
+        }
+        r
+    }
+
+    /// When the current state ends (lease end or expiry), ms since the
+    /// Unix epoch by the store's clock.
+    pub fn until_ms(&self) -> Option<u64> {
+        self.lease_until_ms.or(self.expires_at_ms)
+    }
+}
+
+/// One page of a listing:
+/// `{"records": […], "next": "…" | null, "newest_first": true}`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct KeyPage {
+    /// The records, in the store's order.
+    pub records: Vec<KeyRecord>,
+    /// Pass it as the cursor to get the next page; `null` on the last one.
+    pub next: Option<String>,
+    /// Whether the records of one state come newest first
+    /// ([`idem_core::KeyAdmin::newest_first`]: the memory and SQL stores;
+    /// the Redis store lists in no particular order).
+    pub newest_first: bool,
+}
+
+impl KeyPage {
+    /// The shape of `page`; `newest_first` as the store says.
+    pub fn new(page: &ListPage, newest_first: bool) -> Self {
+        Self {
+            records: page
+                .records
+                .iter()
+                .map(|r| KeyRecord::new(&r.scope, &r.key, &r.record))
+                .collect(),
+            next: page.next.clone(),
+            newest_first,
+        }
+    }
+}
+
+/// What a deletion removed:
+/// `{"deleted": true, "key": …, "scope": …, "key_hash": …, "record": KeyRecord | null}`.
+/// `record` is the record as read just before the deletion; `null` when it
+/// was no longer visible (a result past its TTL, a lease that had ended)
+/// but its row was still there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deleted {
+    /// Always `true` (a deletion of nothing is "not found", not this).
+    pub deleted: bool,
+    /// The key.
+    pub key: String,
+    /// The scope.
+    pub scope: String,
+    /// [`idem_core::key_hash`] of scope and key.
+    pub key_hash: String,
+    /// The record as it was.
+    pub record: Option<KeyRecord>,
+}
+
+/// `{"purged": N}`: how many expired records a purge removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Purged {
+    /// Records removed.
+    pub purged: u64,
+}
+
+/// A key-administration call that failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeysError {
+    /// The store has no listing capability ([`Store::admin`] is `None`).
+    #[error("this store cannot list its records (it has no key-administration capability); get, delete and purge still work")]
+    NoListing,
+    /// The store failed, timed out, or refused the request
+    /// ([`StoreError::Invalid`] for a bad limit or cursor).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+async fn bounded<T>(
+    phase: Phase,
+    timeout: Duration,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(timeout, call)
+        .await
+        .map_err(|_| StoreError::Timeout { phase })?
+}
+
+/// One page of records, the store call bounded by `timeout`.
+///
+/// # Errors
+/// [`KeysError::NoListing`] for a store without listing; the store's
+/// errors ([`StoreError::Timeout`] after `timeout`, [`StoreError::Invalid`]
+/// for a limit outside 1..=1000 or a cursor it did not make).
+pub async fn list(
+    store: &dyn Store,
+    query: &ListQuery,
+    timeout: Duration,
+) -> Result<KeyPage, KeysError> {
+    query.validate()?;
+    let admin = store.admin().ok_or(KeysError::NoListing)?;
+    let page = bounded(Phase::List, timeout, admin.list(query)).await?;
+    Ok(KeyPage::new(&page, admin.newest_first()))
+}
+
+/// The record of `key` in `scope` (`None`: absent, or past its TTL or
+/// lease), the store call bounded by `timeout`.
+///
+/// # Errors
+/// The store's errors ([`StoreError::Timeout`] after `timeout`).
+pub async fn get(
+    store: &dyn Store,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    timeout: Duration,
+) -> Result<Option<KeyRecord>, KeysError> {
+    let rec = bounded(Phase::Get, timeout, store.get(scope, key)).await?;
+    Ok(rec.map(|r| KeyRecord::new(scope, key, &r)))
+}
+
+/// Deletes the record of `key` in `scope` whatever its state: reads it (to
+/// report what it was), then deletes it; each call bounded by `timeout`.
+/// `None` when there was nothing to delete. The caller logs the deletion
+/// ([`log_deleted`]).
+///
+/// Deleting an in-flight key lets the next request with it run again
+/// while the first holder may still be running: its late `complete` then
+/// fails (its fence is no longer current) and its result is not stored.
+///
+/// # Errors
+/// The store's errors ([`StoreError::Timeout`] after `timeout`; after a
+/// timeout of the delete itself the record may or may not be gone).
+pub async fn delete(
+    store: &dyn Store,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    timeout: Duration,
+) -> Result<Option<Deleted>, KeysError> {
+    let record = get(store, scope, key, timeout).await?;
+    let existed = bounded(Phase::Delete, timeout, store.delete(scope, key)).await?;
+    Ok(existed.then(|| Deleted {
+        deleted: true,
+        key: key.as_str().to_owned(),
+        scope: scope.as_str().to_owned(),
+        key_hash: key_hash(scope, key),
+        record,
+    }))
+}
+
+/// Removes expired records ([`Store::purge_expired`]), bounded by `timeout`.
+///
+/// # Errors
+/// The store's errors ([`StoreError::Timeout`] after `timeout`).
+pub async fn purge(store: &dyn Store, timeout: Duration) -> Result<Purged, KeysError> {
+    let purged = bounded(Phase::Purge, timeout, store.purge_expired()).await?;
+    Ok(Purged { purged })
+}
+
+/// Logs a deletion at WARN, one line: who (`by`, e.g. `peer 127.0.0.1:5511
+/// with the admin token`), through what (`via`: `admin-api` or `idem
+/// keys`), what (`key_hash`, `scope`, the `state` it was in and its
+/// `fence`), and when (`at`, RFC 3339 UTC). The raw key is not logged.
+pub fn log_deleted(d: &Deleted, by: &str, via: &str) {
+    let at = humantime::format_rfc3339_millis(SystemTime::now()).to_string();
+    let (state, fence) = match &d.record {
+        Some(r) => (r.state.as_str(), r.fence),
+        None => ("expired", None),
+    };
+    tracing::warn!(
+        by,
+        via,
+        key_hash = %d.key_hash,
+        scope = %d.scope,
+        state,
+        fence,
+        at = %at,
+        "idem key deleted by an operator"
+    );
+}
+
+/// Parses a scope named by its hash: 64 hex digits (any case) or
+/// `anonymous`.
+///
+/// ```
+/// let s = idem_gateway::keys::parse_scope_hash(&"AB".repeat(32)).unwrap();
+/// assert_eq!(s.as_str(), "ab".repeat(32));
+/// assert!(idem_gateway::keys::parse_scope_hash("abc").is_err());
+/// ```
+///
+/// # Errors
+/// A message saying what a scope hash looks like.
+pub fn parse_scope_hash(s: &str) -> Result<Scope, String> {
+    let t = s.trim();
+    if t == Scope::ANONYMOUS {
+        return Ok(Scope::anonymous());
+    }
+    if t.len() == 64 && t.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Scope::new(t.to_ascii_lowercase()).map_err(|e| e.to_string());
+    }
+    Err(format!(
+        "{s:?} is not a scope hash: give the 64 hex digits `idem keys list` shows in full \
+         with --json (or `anonymous`)"
+    ))
+}
+
+/// The scope the gateway derives for a request whose scope headers were
+/// `pairs` (`NAME:VALUE` each, e.g. `authorization:Bearer abc`): the same
+/// [`ScopeBy::Headers`] code the layer runs, over the named headers in the
+/// order they first appear here (give them in the gateway's
+/// `--scope-header` order; it matters only when a request carried more than
+/// one of them) and the values of one header in the order given. Spaces
+/// and tabs around a value are dropped, as an HTTP server drops them. No
+/// pairs: the anonymous scope.
+///
+/// ```
+/// use idem_gateway::keys::scope_of_headers;
+/// let a = scope_of_headers(&["Authorization: Bearer a"]).unwrap();
+/// let mut h = http::HeaderMap::new();
+/// h.insert("authorization", "Bearer a".parse().unwrap());
+/// assert_eq!(a, idem_http::ScopeBy::default().scope_of(&h));
+/// assert_eq!(scope_of_headers(&[] as &[&str]).unwrap(), idem_core::Scope::anonymous());
+/// ```
+///
+/// # Errors
+/// A message naming the malformed pair: no `:`, a name the gateway's
+/// `--scope-header` refuses, or a value that is not a valid header value.
+pub fn scope_of_headers(pairs: &[impl AsRef<str>]) -> Result<Scope, String> {
+    let mut names: Vec<HeaderName> = Vec::new();
+    let mut headers = HeaderMap::new();
+    for pair in pairs {
+        let pair = pair.as_ref();
+        let Some((name, value)) = pair.split_once(':') else {
+            return Err(format!(
+                "{pair:?} is not NAME:VALUE (e.g. \"authorization:Bearer abc\")"
+            ));
+        };
+        let name = crate::parse_scope_header(name).map_err(|e| format!("{pair:?}: {e}"))?;
+        let value = HeaderValue::from_str(value.trim_matches([' ', '\t'])).map_err(|_| {
+            format!("{pair:?}: the value is not a valid header value (visible ASCII, no control characters)")
+        })?;
+        if !names.contains(&name) {
+            names.push(name.clone());
+        }
+        headers.append(name, value);
+    }
+    Ok(ScopeBy::Headers(names).scope_of(&headers))
+}
+
+/// Parses a state filter: `in-flight` (or `in_flight`), `completed`, `any`.
+///
+/// # Errors
+/// A message listing the accepted values.
+pub fn parse_state(s: &str) -> Result<StateFilter, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "in-flight" | "in_flight" | "inflight" => Ok(StateFilter::InFlight),
+        "completed" => Ok(StateFilter::Completed),
+        "any" | "" => Ok(StateFilter::Any),
+        _ => Err(format!(
+            "{s:?} is not a state; use in-flight, completed or any"
+        )),
+    }
+}
+
+/// The key-administration error as one line, for messages.
+impl KeysError {
+    /// The error and its sources, joined with ": ".
+    pub fn chain(&self) -> String {
+        let mut out = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(s) = source {
+            let t = s.to_string();
+            if !out.contains(&t) {
+                out.push_str(": ");
+                out.push_str(&t);
+            }
+            source = s.source();
+        }
+        out
+    }
+}
+
+/// Displays a [`Scope`] shortened for tables: the first 12 hex digits of a
+/// hashed scope followed by `…`, or the scope itself when short.
+#[derive(Debug, Clone, Copy)]
+pub struct ShortScope<'a>(pub &'a str);
+
+impl fmt::Display for ShortScope<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.len() > 13 && self.0.is_char_boundary(12) {
+            write!(f, "{}…", &self.0[..12])
+        } else {
+            f.write_str(self.0)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_core::{Fingerprint, StoredResponse};
+
+    #[test]
+    fn records_have_the_documented_shape() {
+        let scope = Scope::anonymous();
+        let key = IdempotencyKey::new("order-1").unwrap();
+        let rec = Record {
+            fingerprint: Fingerprint::of(b"x"),
+            state: RecordState::InProgress {
+                fence: 7,
+                lease_until: Millis(1_764_637_230_123),
+            },
+        };
+        let v = serde_json::to_value(KeyRecord::new(&scope, &key, &rec)).unwrap();
+        assert_eq!(v["key"], "order-1");
+        assert_eq!(v["scope"], "anonymous");
+        assert_eq!(v["key_hash"], key_hash(&scope, &key));
+        assert_eq!(v["state"], "in-flight");
+        assert_eq!(v["fence"], 7);
+        assert_eq!(v["lease_until"], "2025-12-02T01:00:30.123Z");
+        assert_eq!(v["lease_until_ms"], 1_764_637_230_123u64);
+        assert!(v["expires_at"].is_null() && v["response"].is_null());
+        assert_eq!(v.as_object().unwrap().len(), 11);
+
+        let mut resp = StoredResponse::new(201, "hello");
+        resp.headers.push(("location".into(), b"/p/1".to_vec()));
+        let done = Record {
+            fingerprint: Fingerprint::of(b"x"),
+            state: RecordState::Completed {
+                response: resp,
+                expires_at: Millis(0),
+            },
+        };
+        let v = serde_json::to_value(KeyRecord::new(&scope, &key, &done)).unwrap();
+        assert_eq!(v["state"], "completed");
+        assert!(v["fence"].is_null() && v["lease_until"].is_null());
+        assert_eq!(v["expires_at"], "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            v["response"],
+            serde_json::json!({"status": 201, "body_bytes": 5, "body_omitted": false, "headers": 1})
+        );
+    }
+
+    #[test]
+    fn scopes_by_headers_match_the_layer() {
+        let by = ScopeBy::Headers(vec![
+            HeaderName::from_static("authorization"),
+            HeaderName::from_static("x-api-key"),
+        ]);
+        let mut h = HeaderMap::new();
+        h.append("authorization", HeaderValue::from_static("a"));
+        h.append("authorization", HeaderValue::from_static("b"));
+        h.append("x-api-key", HeaderValue::from_static("k"));
+        let ours =
+            scope_of_headers(&["Authorization:a", "X-Api-Key: k ", "authorization:\tb"]).unwrap();
+        assert_eq!(ours, by.scope_of(&h));
+        for bad in [
+            "no-colon",
+            "idempotency-key:x",
+            "bad name:x",
+            "authorization:a\u{7f}",
+        ] {
+            assert!(scope_of_headers(&[bad]).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn scope_hashes_and_states_parse() {
+        assert_eq!(parse_scope_hash(" anonymous ").unwrap(), Scope::anonymous());
+        assert!(parse_scope_hash(&"g".repeat(64)).is_err());
+        assert!(parse_scope_hash(&"a".repeat(63)).is_err());
+        assert_eq!(parse_state("In-Flight").unwrap(), StateFilter::InFlight);
+        assert_eq!(parse_state("completed").unwrap(), StateFilter::Completed);
+        assert_eq!(parse_state("any").unwrap(), StateFilter::Any);
+        assert!(parse_state("done").is_err());
+        assert_eq!(
+            ShortScope(&"a".repeat(64)).to_string(),
+            format!("{}…", "a".repeat(12))
+        );
+        assert_eq!(ShortScope("anonymous").to_string(), "anonymous");
+    }
+
+    #[tokio::test]
+    async fn operations_on_the_memory_store() {
+        let store = idem_core::MemoryStore::new();
+        let scope = Scope::anonymous();
+        let key = IdempotencyKey::new("k").unwrap();
+        let t = Duration::from_secs(1);
+        assert_eq!(get(&store, &scope, &key, t).await.unwrap(), None);
+        assert!(delete(&store, &scope, &key, t).await.unwrap().is_none());
+        store
+            .begin(&idem_core::BeginRequest {
+                scope: scope.clone(),
+                key: key.clone(),
+                fingerprint: Fingerprint::of(b"f"),
+                lease: Duration::from_secs(30),
+            })
+            .await
+            .unwrap();
+        let page = list(&store, &ListQuery::default(), t).await.unwrap();
+        assert_eq!(page.records.len(), 1);
+        assert_eq!(page.records[0].state, STATE_IN_FLIGHT);
+        let d = delete(&store, &scope, &key, t).await.unwrap().unwrap();
+        assert_eq!(d.record.unwrap().fence, page.records[0].fence);
+        assert_eq!(purge(&store, t).await.unwrap().purged, 0);
+        let bad = ListQuery {
+            limit: 0,
+            ..ListQuery::default()
+        };
+        assert!(matches!(
+            list(&store, &bad, t).await,
+            Err(KeysError::Store(StoreError::Invalid(_)))
+        ));
+    }
+}
