@@ -218,6 +218,7 @@
 mod admin;
 mod config;
 mod guard;
+mod health;
 mod limits;
 mod proxy;
 mod server;

@@ -16,7 +16,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use idem_core::token::IssueError;
-use idem_core::{DynStore, IdempotencyKey, Scope, StoreError};
+use idem_core::{DynStore, StoreError};
 use idem_http::{
     normalize_path, problem, BoxBody, IdempotencyLayer, IdempotencyService, ScopeBy, TaskTracker,
     TokenCap, TokenIssueError,
@@ -29,15 +29,13 @@ use tower::Layer;
 use crate::admin::{self, AdminToken};
 use crate::config::{show_scope, ConfigError, GatewayConfig};
 use crate::guard::{GuardedStore, Recent};
+use crate::health::Health;
 use crate::limits::ConnectionCap;
 use crate::proxy::{self, error_chain, Proxy, Upstream, UpstreamClient};
 use crate::store::{open_store_with, StoreKind};
 
 /// Paths under this prefix are answered by the gateway itself and never proxied.
 pub const RESERVED_PREFIX: &str = "/_idem/";
-
-/// How long `GET /_idem/health` waits for the store.
-const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -251,6 +249,7 @@ impl Gateway {
             admin,
         } = self;
         log_startup(&config, kind, local_addr);
+        let health = Health::new(store.clone(), kind, config.store.expose());
         let admin_stop = tokio_util::sync::CancellationToken::new();
         let _admin_stop_on_exit = admin_stop.clone().drop_guard();
         if let Some((admin_listener, token)) = admin {
@@ -262,13 +261,14 @@ impl Gateway {
                 kind,
                 token,
                 store_timeout: config.store_options.timeout,
+                health: health.clone(),
             });
             tokio::spawn(admin::serve(admin_listener, state, admin_stop.clone()));
         }
         let cap = config.connection_cap()?;
         log_connection_cap(&config, &cap);
         let purge = tokio::spawn(purge_loop(store.clone(), config.purge_interval));
-        let routes = Routes::new(&config, store, kind, recent, upstream);
+        let routes = Routes::new(&config, store, health, recent, upstream);
         let graceful = GracefulShutdown::new();
         let door = Door::new(config.header_timeout, cap.connections);
         accept_until(listener, shutdown, &routes, &graceful, &door).await;
@@ -361,15 +361,14 @@ struct Routes {
     client: UpstreamClient,
     upstream: Arc<Upstream>,
     upstream_timeout: Duration,
-    store: DynStore,
-    kind: &'static str,
+    health: Arc<Health>,
 }
 
 impl Routes {
     fn new(
         config: &GatewayConfig,
         store: DynStore,
-        kind: &'static str,
+        health: Arc<Health>,
         recent: Option<Arc<Recent>>,
         upstream: Arc<Upstream>,
     ) -> Self {
@@ -387,8 +386,7 @@ impl Routes {
             client: proxy::client(config.upstream_timeout, config.upstream_idle_timeout),
             upstream,
             upstream_timeout: config.upstream_timeout,
-            store,
-            kind,
+            health,
         }
     }
 
@@ -402,8 +400,7 @@ impl Routes {
         };
         Root {
             inner: self.layer.layer(proxy),
-            store: self.store.clone(),
-            kind: self.kind,
+            health: self.health.clone(),
             tokens: self.tokens.clone(),
         }
     }
@@ -715,8 +712,8 @@ async fn purge_loop(store: DynStore, every: Duration) {
 #[derive(Clone)]
 struct Root {
     inner: IdempotencyService<Proxy>,
-    store: DynStore,
-    kind: &'static str,
+    /// `/_idem/live`, `/_idem/ready`, `/_idem/health`.
+    health: Arc<Health>,
     /// The layer, for `POST /_idem/tokens` (issuing in the scope the layer
     /// derives).
     tokens: Arc<TokenEndpoint>,
@@ -783,10 +780,9 @@ impl tower_service::Service<Request<Incoming>> for Root {
             .is_some_and(|p| p.eq_ignore_ascii_case(RESERVED_PREFIX))
             || path.eq_ignore_ascii_case("/_idem");
         if reserved {
-            let store = self.store.clone();
-            let kind = self.kind;
+            let health = self.health.clone();
             let tokens = self.tokens.clone();
-            return Box::pin(async move { Ok(internal(req, store, kind, &tokens).await) });
+            return Box::pin(async move { Ok(internal(req, &health, &tokens).await) });
         }
         Box::pin(self.inner.call(req))
     }
@@ -858,10 +854,12 @@ fn check_host<B>(req: &Request<B>) -> Result<(), Response<BoxBody>> {
 /// The gateway's own endpoints under `/_idem/`.
 async fn internal(
     req: Request<Incoming>,
-    store: DynStore,
-    kind: &'static str,
+    health: &Arc<Health>,
     tokens: &TokenEndpoint,
 ) -> Response<BoxBody> {
+    if let Some(resp) = crate::health::respond(&req, health).await {
+        return resp;
+    }
     if req.uri().path() == TOKENS_PATH {
         if !tokens.served {
             return problem(
@@ -873,30 +871,11 @@ async fn internal(
         }
         return issue_token(&req, &tokens.layer).await;
     }
-    if req.uri().path() != "/_idem/health" {
-        return problem(
-            StatusCode::NOT_FOUND,
-            "not-found",
-            "no such gateway endpoint; paths under /_idem/ are reserved and never proxied",
-        );
-    }
-    if req.method() != Method::GET && req.method() != Method::HEAD {
-        return method_not_allowed("/_idem/health answers GET and HEAD", "GET, HEAD");
-    }
-    match check_store(&store).await {
-        Ok(()) => json(
-            StatusCode::OK,
-            &serde_json::json!({ "status": "ok", "store": kind }),
-        ),
-        Err(detail) => {
-            tracing::warn!(store = kind, error = %detail, "health check: store failing");
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                format!("the {kind} store is failing: {detail}"),
-            )
-        }
-    }
+    problem(
+        StatusCode::NOT_FOUND,
+        "not-found",
+        "no such gateway endpoint; paths under /_idem/ are reserved and never proxied",
+    )
 }
 
 /// Where submit tokens are issued.
@@ -991,16 +970,4 @@ fn json(status: StatusCode, value: &serde_json::Value) -> Response<BoxBody> {
     );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     resp
-}
-
-/// A cheap read of one record that does not exist.
-async fn check_store(store: &DynStore) -> Result<(), String> {
-    let (Ok(scope), Ok(key)) = (Scope::new("_idem"), IdempotencyKey::new("_idem-health")) else {
-        return Err("internal: bad health-check key".into());
-    };
-    match tokio::time::timeout(HEALTH_TIMEOUT, store.get(&scope, &key)).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(error_chain(&e)),
-        Err(_) => Err(format!("no answer within {HEALTH_TIMEOUT:?}")),
-    }
 }
