@@ -334,6 +334,35 @@ pub(crate) async fn respond<B>(
     })
 }
 
+/// Logs what a Redis store persists, with a WARN when a Redis restart
+/// (or a machine crash) would forget completed keys, which then run again
+/// (no AOF and no RDB, RDB only, `appendfsync no`), or when it cannot be
+/// read (`CONFIG` disabled, as on managed Redis). Opens a connection of
+/// its own for the check, bounded by `options.timeout`; other store URLs
+/// are left alone.
+#[cfg(feature = "redis")]
+pub(crate) async fn log_redis_persistence(url: &str, options: &crate::StoreOptions) {
+    let Ok(u) = idem_redis::RedisUrl::parse(url) else {
+        return;
+    };
+    let o = u
+        .options
+        .with_connection_timeout(options.timeout)
+        .with_response_timeout(options.timeout);
+    match idem_redis::check_persistence(u.url.expose(), &o).await {
+        Ok(p) => match p.warning() {
+            Some(w) => tracing::warn!(redis_persistence = %p, "{w}"),
+            None => tracing::info!(redis_persistence = %p, "Redis persists completed keys"),
+        },
+        Err(e) => tracing::warn!(
+            error = %error_chain(&e),
+            "Redis persistence could not be checked: make sure the server runs with \
+             `appendonly yes` (and `appendfsync everysec` or `always`), or a restart forgets \
+             completed keys and their retries run again"
+        ),
+    }
+}
+
 /// An `application/json` answer that is never cached.
 fn json(status: StatusCode, value: &serde_json::Value) -> Response<BoxBody> {
     let mut resp = Response::new(idem_http::full(value.to_string()));

@@ -132,6 +132,8 @@ impl Gateway {
                 url: config.store.redacted(),
                 source,
             })?;
+        #[cfg(feature = "redis")]
+        crate::health::log_redis_persistence(config.store.expose(), &config.store_options).await;
         Self::bind_with_store(config, store).await
     }
 
