@@ -118,6 +118,10 @@ impl Gateway {
     /// answers 503 (or forwards unprotected with `fail_open`) until the
     /// store is back, and recovers without a restart.
     ///
+    /// With a Redis store, what the server persists is read once on a
+    /// connection of its own (`idem_redis::check_persistence`) and a WARN
+    /// is logged when a Redis restart would forget completed keys.
+    ///
     /// # Errors
     /// [`GatewayError::Config`] for an invalid configuration,
     /// [`GatewayError::Store`] when the store cannot be opened within
@@ -139,7 +143,7 @@ impl Gateway {
 
     /// Like [`Gateway::bind`] with a store the caller opened (any
     /// [`idem_core::Store`]); `config.store` is then only reported by
-    /// `/_idem/health` and the startup log. Every call to the store is
+    /// `/_idem/ready` and the startup log. Every call to the store is
     /// still bounded by `config.store_options.timeout`.
     ///
     /// # Errors
