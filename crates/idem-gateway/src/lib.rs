@@ -76,9 +76,11 @@
 //! [`open_store_with`] and `docs/STORES.md` (which store to choose, what it
 //! guarantees, round trips, how wait mode works across instances). Redis
 //! replicates asynchronously: a failover or a restart without persistence
-//! can lose acknowledged records, and a key can then run twice. Where a
+//! can lose acknowledged records, and a key can then run twice (at start
+//! the gateway reads the server's `appendonly`/`save` settings and logs a
+//! WARN when a restart would forget completed keys). Where a
 //! second execution costs money, use PostgreSQL. Passwords in store URLs
-//! are printed as `***`. `GET /_idem/health` reports the kind
+//! are printed as `***`. `GET /_idem/ready` reports the kind
 //! (`memory`, `sqlite`, `postgres`, `mysql`, `redis`, `redis-cluster`).
 //!
 //! ## Store outages
@@ -172,9 +174,20 @@
 //!
 //! ## Reserved paths
 //!
-//! Paths under `/_idem/` are answered by the gateway and never proxied:
-//! `GET /_idem/health` → `200 {"status":"ok","store":"sqlite"}` after a
-//! read from the store (a `503` problem when the store fails);
+//! Paths under `/_idem/` are answered by the gateway and never proxied
+//! (the probes also on the admin listener; see `docs/HEALTH.md`):
+//! `GET /_idem/live` → `200 {"status":"ok"}` while the process serves (no
+//! store call); `GET /_idem/ready` → `200 {"status":"ok","store":"sqlite"}`
+//! when the store accepts a write — a canary `begin` + `release` on the
+//! reserved scope `_idem` and the key `_idem-ready-<instance id>`, which
+//! leaves no record, bounded by 2 s, its result cached for at most 1 s and
+//! shared by concurrent probes — else `503` `application/problem+json`
+//! (`store-unavailable`, or `store-full` for a full disk or store) with
+//! members `store` and `reason` (`unavailable`, `timeout`, `read-only`,
+//! `disk-full`, `full`, `corrupt`, `file-deleted`: a SQLite file deleted
+//! or replaced under the running gateway, which stays unready until it is
+//! restarted); `GET /_idem/health` is the same as ready. All three answer
+//! `GET` and `HEAD` (`405` otherwise);
 //! `POST /_idem/tokens` (only with a `--require-token` route or
 //! `--issue-tokens`; otherwise `404`) → `201`
 //! `{"token":"tok_…","expires_in":3600}` (`application/json`;
@@ -220,6 +233,7 @@
 mod admin;
 mod config;
 mod guard;
+mod health;
 pub mod keys;
 mod limits;
 mod proxy;

@@ -16,7 +16,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use idem_core::token::IssueError;
-use idem_core::{DynStore, IdempotencyKey, Scope, StoreError};
+use idem_core::{DynStore, StoreError};
 use idem_http::{
     normalize_path, problem, BoxBody, IdempotencyLayer, IdempotencyService, ScopeBy, TaskTracker,
     TokenCap, TokenIssueError,
@@ -29,15 +29,13 @@ use tower::Layer;
 use crate::admin::{self, AdminToken};
 use crate::config::{show_scope, ConfigError, GatewayConfig};
 use crate::guard::{GuardedStore, Recent};
+use crate::health::Health;
 use crate::limits::ConnectionCap;
 use crate::proxy::{self, error_chain, Proxy, Upstream, UpstreamClient};
 use crate::store::{open_store_with, StoreKind};
 
 /// Paths under this prefix are answered by the gateway itself and never proxied.
 pub const RESERVED_PREFIX: &str = "/_idem/";
-
-/// How long `GET /_idem/health` waits for the store.
-const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +118,10 @@ impl Gateway {
     /// answers 503 (or forwards unprotected with `fail_open`) until the
     /// store is back, and recovers without a restart.
     ///
+    /// With a Redis store, what the server persists is read once on a
+    /// connection of its own (`idem_redis::check_persistence`) and a WARN
+    /// is logged when a Redis restart would forget completed keys.
+    ///
     /// # Errors
     /// [`GatewayError::Config`] for an invalid configuration,
     /// [`GatewayError::Store`] when the store cannot be opened within
@@ -135,12 +137,14 @@ impl Gateway {
                 url: config.store.redacted(),
                 source,
             })?;
+        #[cfg(feature = "redis")]
+        crate::health::log_redis_persistence(config.store.expose(), &config.store_options).await;
         Self::bind_with_store(config, store).await
     }
 
     /// Like [`Gateway::bind`] with a store the caller opened (any
     /// [`idem_core::Store`]); `config.store` is then only reported by
-    /// `/_idem/health` and the startup log. Every call to the store is
+    /// `/_idem/ready` and the startup log. Every call to the store is
     /// still bounded by `config.store_options.timeout`.
     ///
     /// # Errors
@@ -253,9 +257,10 @@ impl Gateway {
             admin,
         } = self;
         log_startup(&config, kind, local_addr);
+        let health = Health::new(store.clone(), kind, config.store.expose());
         // The layer wraps the store (store call metrics): the admin API and
         // the purge task use it as the layer does.
-        let routes = Routes::new(&config, store, kind, recent, upstream);
+        let routes = Routes::new(&config, store, health.clone(), recent, upstream);
         let store = routes.layer.store().clone();
         let admin_stop = tokio_util::sync::CancellationToken::new();
         let _admin_stop_on_exit = admin_stop.clone().drop_guard();
@@ -268,6 +273,7 @@ impl Gateway {
                 kind,
                 token,
                 store_timeout: config.store_options.timeout,
+                health: health.clone(),
             });
             tokio::spawn(admin::serve(admin_listener, state, admin_stop.clone()));
         }
@@ -377,15 +383,14 @@ struct Routes {
     upstream_timeout: Duration,
     /// `idem_upstream_duration_seconds`.
     upstream_duration: metrics::Histogram,
-    store: DynStore,
-    kind: &'static str,
+    health: Arc<Health>,
 }
 
 impl Routes {
     fn new(
         config: &GatewayConfig,
         store: DynStore,
-        kind: &'static str,
+        health: Arc<Health>,
         recent: Option<Arc<Recent>>,
         upstream: Arc<Upstream>,
     ) -> Self {
@@ -404,8 +409,7 @@ impl Routes {
             upstream,
             upstream_timeout: config.upstream_timeout,
             upstream_duration: metrics::histogram!(admin::metrics::UPSTREAM_DURATION),
-            store,
-            kind,
+            health,
         }
     }
 
@@ -420,8 +424,7 @@ impl Routes {
         };
         Root {
             inner: self.layer.layer(proxy),
-            store: self.store.clone(),
-            kind: self.kind,
+            health: self.health.clone(),
             tokens: self.tokens.clone(),
         }
     }
@@ -733,8 +736,8 @@ async fn purge_loop(store: DynStore, every: Duration) {
 #[derive(Clone)]
 struct Root {
     inner: IdempotencyService<Proxy>,
-    store: DynStore,
-    kind: &'static str,
+    /// `/_idem/live`, `/_idem/ready`, `/_idem/health`.
+    health: Arc<Health>,
     /// The layer, for `POST /_idem/tokens` (issuing in the scope the layer
     /// derives).
     tokens: Arc<TokenEndpoint>,
@@ -801,10 +804,9 @@ impl tower_service::Service<Request<Incoming>> for Root {
             .is_some_and(|p| p.eq_ignore_ascii_case(RESERVED_PREFIX))
             || path.eq_ignore_ascii_case("/_idem");
         if reserved {
-            let store = self.store.clone();
-            let kind = self.kind;
+            let health = self.health.clone();
             let tokens = self.tokens.clone();
-            return Box::pin(async move { Ok(internal(req, store, kind, &tokens).await) });
+            return Box::pin(async move { Ok(internal(req, &health, &tokens).await) });
         }
         Box::pin(self.inner.call(req))
     }
@@ -876,10 +878,12 @@ fn check_host<B>(req: &Request<B>) -> Result<(), Response<BoxBody>> {
 /// The gateway's own endpoints under `/_idem/`.
 async fn internal(
     req: Request<Incoming>,
-    store: DynStore,
-    kind: &'static str,
+    health: &Arc<Health>,
     tokens: &TokenEndpoint,
 ) -> Response<BoxBody> {
+    if let Some(resp) = crate::health::respond(&req, health).await {
+        return resp;
+    }
     if req.uri().path() == TOKENS_PATH {
         if !tokens.served {
             return problem(
@@ -891,30 +895,11 @@ async fn internal(
         }
         return issue_token(&req, &tokens.layer).await;
     }
-    if req.uri().path() != "/_idem/health" {
-        return problem(
-            StatusCode::NOT_FOUND,
-            "not-found",
-            "no such gateway endpoint; paths under /_idem/ are reserved and never proxied",
-        );
-    }
-    if req.method() != Method::GET && req.method() != Method::HEAD {
-        return method_not_allowed("/_idem/health answers GET and HEAD", "GET, HEAD");
-    }
-    match check_store(&store).await {
-        Ok(()) => json(
-            StatusCode::OK,
-            &serde_json::json!({ "status": "ok", "store": kind }),
-        ),
-        Err(detail) => {
-            tracing::warn!(store = kind, error = %detail, "health check: store failing");
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                format!("the {kind} store is failing: {detail}"),
-            )
-        }
-    }
+    problem(
+        StatusCode::NOT_FOUND,
+        "not-found",
+        "no such gateway endpoint; paths under /_idem/ are reserved and never proxied",
+    )
 }
 
 /// Where submit tokens are issued.
@@ -1009,16 +994,4 @@ fn json(status: StatusCode, value: &serde_json::Value) -> Response<BoxBody> {
     );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     resp
-}
-
-/// A cheap read of one record that does not exist.
-async fn check_store(store: &DynStore) -> Result<(), String> {
-    let (Ok(scope), Ok(key)) = (Scope::new("_idem"), IdempotencyKey::new("_idem-health")) else {
-        return Err("internal: bad health-check key".into());
-    };
-    match tokio::time::timeout(HEALTH_TIMEOUT, store.get(&scope, &key)).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(error_chain(&e)),
-        Err(_) => Err(format!("no answer within {HEALTH_TIMEOUT:?}")),
-    }
 }

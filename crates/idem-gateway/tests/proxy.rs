@@ -296,15 +296,33 @@ async fn health_endpoint_reports_the_store_and_is_never_proxied() {
     assert_eq!(r.status, 405);
     assert_eq!(r.header("allow").as_deref(), Some("GET, HEAD"));
 
+    // Readiness is cached for up to 1 s: poll for the change.
     store.set_each(&BEGIN_AND_GET, Fault::Unavailable);
-    let r = fetch(&c, &gw.url("/_idem/health")).await;
-    assert_eq!(r.status, 503);
+    let r = health_until(&c, &gw.url("/_idem/health"), 503).await;
     assert_eq!(r.problem_type(), "urn:idem:problem:store-unavailable");
+    assert_eq!(r.json()["reason"], "unavailable");
     store.clear_all();
-    let r = fetch(&c, &gw.url("/_idem/health")).await;
-    assert_eq!(r.status, 200);
+    health_until(&c, &gw.url("/_idem/health"), 200).await;
 
     assert_eq!(up.hits(), 0, "an /_idem/ path reached the upstream");
+}
+
+/// Fetches `url` until it answers `status` (at most 5 s).
+async fn health_until(c: &reqwest::Client, url: &str, status: u16) -> Got {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = fetch(c, url).await;
+        if r.status == status {
+            return r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{url} still answers {} after 5 s: {}",
+            r.status,
+            r.text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 #[tokio::test]

@@ -135,6 +135,11 @@ impl RedisStore {
         self.keys(scope, key).record
     }
 
+    /// A handle on the store's connection (shared, multiplexed).
+    pub(crate) fn connection(&self) -> Conn {
+        self.inner.conn.clone()
+    }
+
     fn keys(&self, scope: &Scope, key: &IdempotencyKey) -> RecordKeys {
         RecordKeys::new(&self.inner.options.key_prefix, scope, key)
     }

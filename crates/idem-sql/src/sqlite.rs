@@ -317,22 +317,15 @@ impl SqliteStore {
     }
 }
 
-#[async_trait]
-impl Store for SqliteStore {
-    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
+impl SqliteStore {
+    /// Step 2 of `begin`: claims the key inside `BEGIN IMMEDIATE` on `conn`.
+    async fn claim(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        req: &BeginRequest,
+    ) -> Result<Begin, StoreError> {
         const P: Phase = Phase::Begin;
-        // 1. One read, no write lock: a live record answers from it.
-        if let Some(row) = self.read_pooled(&req.scope, &req.key, P).await? {
-            let now = self.now();
-            if row.is_live(now) {
-                return row.answer(req, now, P);
-            }
-        }
-        // 2. Absent or expired: claim under the write lock, re-reading first.
-        let _local = self.write_lock.lock().await;
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
+        let mut tx = sqlx::Connection::begin_with(conn, "BEGIN IMMEDIATE")
             .await
             .map_err(unavailable(P))?;
         // Read the time once the lock is held, so waiting for it does not
@@ -383,6 +376,35 @@ impl Store for SqliteStore {
             until: millis(until),
             took_over,
         }))
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
+        const P: Phase = Phase::Begin;
+        // 1. One read, no write lock: a live record answers from it.
+        if let Some(row) = self.read_pooled(&req.scope, &req.key, P).await? {
+            let now = self.now();
+            if row.is_live(now) {
+                return row.answer(req, now, P);
+            }
+        }
+        // 2. Absent or expired: claim under the write lock, re-reading first.
+        let _local = self.write_lock.lock().await;
+        let mut conn = self.pool.acquire().await.map_err(unavailable(P))?;
+        let claimed = self.claim(&mut conn, req).await;
+        if matches!(claimed, Err(StoreError::Unavailable { .. })) {
+            // A statement or COMMIT that failed (disk full, read-only file,
+            // I/O error) can end the transaction inside SQLite while sqlx
+            // still counts it open; the pool would hand that connection out
+            // again and every later claim would fail with "begin_with at
+            // non-zero transaction depth" until a restart. Close it instead
+            // (not for a corrupt record: the transaction ended cleanly, and
+            // an in-memory database lives only as long as its connection).
+            conn.close_on_drop();
+        }
+        claimed
     }
 
     async fn complete(

@@ -46,6 +46,8 @@ pub(crate) struct AdminState {
     pub token: Option<AdminToken>,
     /// The longest store call.
     pub store_timeout: Duration,
+    /// The readiness check, shared with the public listener.
+    pub health: Arc<crate::health::Health>,
 }
 
 /// Serves the admin listener until `stop` is cancelled. Connections are
@@ -98,6 +100,11 @@ async fn route(req: Request<Incoming>, state: &AdminState, peer: SocketAddr) -> 
                 return method_not_allowed();
             }
             metrics::render()
+        }
+        crate::health::LIVE_PATH | crate::health::READY_PATH => {
+            crate::health::respond(&req, &state.health)
+                .await
+                .unwrap_or_else(not_found)
         }
         p if p == "/keys" || p.starts_with("/keys/") => {
             match auth::denied(&req, state.token.as_ref()) {
