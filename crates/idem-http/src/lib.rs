@@ -108,6 +108,7 @@ pub mod replay;
 mod scope;
 mod service;
 mod tokens;
+mod trace;
 
 use bytes::Bytes;
 pub use idem_core::{DynStore, Scope};

@@ -14,6 +14,7 @@ use idem_core::{
 };
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::body::{full, Prefixed};
 use crate::budget::{BodyBudget, Reservation};
@@ -128,8 +129,12 @@ where
                 return ready(log(&req).rejected(method_case(req.method(), guarded)));
             }
             // Unguarded: no log context, no allocation.
-            return pass_through(&mut inner, req);
+            let span = crate::trace::proxy_span(req.method(), req.uri().path(), req.headers());
+            return span
+                .in_scope(|| pass_through(&mut inner, req))
+                .in_span(span);
         }
+        let entered = crate::trace::request_span(req.method(), req.headers()).entered();
         let log = log(&req);
         // Every decision by path (token routes, the fingerprint) and the
         // inner service see one normalised path.
@@ -142,6 +147,7 @@ where
             path: req.uri().path().to_owned(),
             ..log
         };
+        crate::trace::record_path(&log.path);
         let token = options.token_required(req.uri().path());
         let key = match key_from_headers(req.headers()) {
             Ok(Some(key)) => key,
@@ -154,7 +160,10 @@ where
                      submitting.",
                 )));
             }
-            Ok(None) if !options.require_key => return pass_through(&mut inner, req),
+            Ok(None) if !options.require_key => {
+                crate::trace::record_end(Some("passthrough"), None);
+                return pass_through(&mut inner, req).in_span(entered.exit());
+            }
             Ok(None) => {
                 return ready(log.rejected(Problem::new(
                     StatusCode::BAD_REQUEST,
@@ -186,6 +195,7 @@ where
             ..log
         };
         let scope = options.scope.scope_of(req.headers());
+        crate::trace::record_key(&scope, &key);
         // The key goes on in one form, the bare value: `"abc"`, `abc` and
         // `"abc";p=1` are one key here, so they must be one value to the
         // inner service (and the upstream's own unique constraint) too.
@@ -207,7 +217,9 @@ where
             log,
             body_budget: self.body_budget.clone(),
         };
-        guarded.respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
+        guarded
+            .respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
+            .in_span(entered.exit())
     }
 }
 
@@ -265,7 +277,10 @@ impl Guarded {
             // service drops the buffered body.
             let body = Reserved::new(full(bytes), reservation).boxed_unsync();
             let req = Request::from_parts(parts, body);
-            let job = self.run::<S, F, E, RB>(inner, req, fingerprint);
+            // The spawned run goes on in the request's span.
+            let job = self
+                .run::<S, F, E, RB>(inner, req, fingerprint)
+                .instrument(tracing::Span::current());
             match tokio::runtime::Handle::try_current() {
                 Ok(rt) => match tracker.spawn_on(job, &rt).await {
                     Ok(result) => result,
@@ -452,6 +467,7 @@ where
 {
     ResponseFuture::new(async move {
         let resp = fut.await?;
+        crate::trace::record_end(None, Some(resp.status()));
         Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))
     })
 }
@@ -975,6 +991,7 @@ impl LogCtx {
         resp: Response<BoxBody>,
         saved: Option<&'static str>,
     ) -> Response<BoxBody> {
+        crate::trace::record_end(Some(outcome), Some(resp.status()));
         tracing::info!(
             target: "idem",
             outcome,
@@ -994,6 +1011,7 @@ impl LogCtx {
     }
 
     fn inner_error(&self, saved: &'static str) {
+        crate::trace::record_end(Some("executed"), None);
         tracing::info!(
             target: "idem",
             outcome = "executed",
