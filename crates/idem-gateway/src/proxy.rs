@@ -239,6 +239,8 @@ pub(crate) struct Proxy {
     pub(crate) upstream: Arc<Upstream>,
     pub(crate) timeout: Duration,
     pub(crate) peer: SocketAddr,
+    /// `idem_upstream_duration_seconds`: request sent to response head.
+    pub(crate) duration: metrics::Histogram,
 }
 
 impl tower_service::Service<Request<BoxBody>> for Proxy {
@@ -348,12 +350,14 @@ impl Proxy {
         #[cfg(feature = "otel")]
         crate::otel::inject(&span, &mut parts.headers);
 
+        let started = std::time::Instant::now();
         let sent = tokio::time::timeout(
             self.timeout,
             self.client.request(Request::from_parts(parts, body)),
         )
         .instrument(span.clone())
         .await;
+        self.duration.record(started.elapsed());
         record_upstream(&span, &sent);
         match sent {
             Ok(Ok(resp)) if resp.status().is_informational() => {

@@ -20,6 +20,7 @@ use crate::body::{full, Prefixed};
 use crate::budget::{BodyBudget, Reservation};
 use crate::fingerprint::request_fingerprint;
 use crate::future::ResponseFuture;
+use crate::observe::{route_name, token_rejected, Finished, Observer, RequestOutcome, TokenRejection};
 use crate::key::{
     key_from_headers, key_header_value, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS,
     IDEMPOTENT_REPLAYED,
@@ -62,6 +63,8 @@ pub struct IdempotencyService<S> {
     live_tokens: Arc<TokenBudget>,
     /// The layer's budget of buffered body bytes.
     body_budget: BodyBudget,
+    /// The layer's metric handles.
+    observer: Arc<Observer>,
 }
 
 impl<S> IdempotencyService<S> {
@@ -71,7 +74,7 @@ impl<S> IdempotencyService<S> {
         options: Arc<Options>,
         tracker: TaskTracker,
         live_tokens: Arc<TokenBudget>,
-        body_budget: BodyBudget,
+        (body_budget, observer): (BodyBudget, Arc<Observer>),
     ) -> Self {
         Self {
             inner,
@@ -80,6 +83,7 @@ impl<S> IdempotencyService<S> {
             tracker,
             live_tokens,
             body_budget,
+            observer,
         }
     }
 
@@ -117,21 +121,25 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let options = self.options.clone();
-
+        let started = Instant::now();
+        let observer = &self.observer;
         let log = |req: &Request<B>| LogCtx {
-            started: Instant::now(),
+            started,
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
-            key: String::new(),
+            route: route_name(false),
+            key: LogKey::None,
+            observer: observer.clone(),
         };
         if !options.methods.contains(req.method()) {
             if let Some(guarded) = case_variant_of(&options.methods, req.method()) {
                 return ready(log(&req).rejected(method_case(req.method(), guarded)));
             }
-            // Unguarded: no log context, no allocation.
+            // Unguarded: no log context (the path is copied only for the
+            // access log).
             let span = crate::trace::proxy_span(req.method(), req.uri().path(), req.headers());
             return span
-                .in_scope(|| pass_through(&mut inner, req))
+                .in_scope(|| pass_through(&mut inner, req, started, observer, options.access_log))
                 .in_span(span);
         }
         let entered = crate::trace::request_span(req.method(), req.headers()).entered();
@@ -149,9 +157,14 @@ where
         };
         crate::trace::record_path(&log.path);
         let token = options.token_required(req.uri().path());
+        let log = LogCtx {
+            route: route_name(token),
+            ..log
+        };
         let key = match key_from_headers(req.headers()) {
             Ok(Some(key)) => key,
             Ok(None) if token => {
+                token_rejected(TokenRejection::Missing);
                 return ready(log.rejected(Problem::new(
                     StatusCode::PRECONDITION_REQUIRED,
                     "token-required",
@@ -161,8 +174,8 @@ where
                 )));
             }
             Ok(None) if !options.require_key => {
-                crate::trace::record_end(Some("passthrough"), None);
-                return pass_through(&mut inner, req).in_span(entered.exit());
+                return pass_through(&mut inner, req, started, observer, options.access_log)
+                    .in_span(entered.exit());
             }
             Ok(None) => {
                 return ready(log.rejected(Problem::new(
@@ -173,7 +186,7 @@ where
             }
             Err(e) => {
                 let log = LogCtx {
-                    key: raw_key_for_log(req.headers()),
+                    key: LogKey::Raw(raw_key_for_log(req.headers())),
                     ..log
                 };
                 let kind = match e {
@@ -190,12 +203,11 @@ where
                 )));
             }
         };
+        let scope = options.scope.scope_of(req.headers());
         let log = LogCtx {
-            key: key.as_str().to_owned(),
+            key: LogKey::Scoped(scope.clone(), key.clone()),
             ..log
         };
-        let scope = options.scope.scope_of(req.headers());
-        crate::trace::record_key(&scope, &key);
         // The key goes on in one form, the bare value: `"abc"`, `abc` and
         // `"abc";p=1` are one key here, so they must be one value to the
         // inner service (and the upstream's own unique constraint) too.
@@ -216,6 +228,7 @@ where
             live_tokens: self.live_tokens.clone(),
             log,
             body_budget: self.body_budget.clone(),
+            running: self.observer.running(),
         };
         guarded
             .respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
@@ -235,6 +248,8 @@ struct Guarded {
     log: LogCtx,
     /// The layer's budget of buffered body bytes.
     body_budget: BodyBudget,
+    /// Counts this request in `idem_in_flight` until it is done.
+    running: crate::observe::Running,
 }
 
 impl Guarded {
@@ -290,7 +305,7 @@ impl Guarded {
                         // its lease, so it is not stuck.
                         tracing::error!(target: "idem", key = %log.key, error = %e, "the guarded request's task failed");
                         Ok(log.finish(
-                            "executed",
+                            RequestOutcome::Executed,
                             Problem::new(
                                 StatusCode::INTERNAL_SERVER_ERROR,
                                 "internal",
@@ -331,6 +346,7 @@ impl Guarded {
             live_tokens,
             log,
             body_budget: _,
+            running: _running,
         } = self;
         let policy = options.policy;
         let retention_limit = options.retention_limit;
@@ -374,7 +390,10 @@ impl Guarded {
             }
             match outcome {
                 Ok(TokenOutcome::Keyed(outcome)) => Ok(outcome),
-                Ok(TokenOutcome::TokenRejected) => return Ok(log.rejected(token_unknown())),
+                Ok(TokenOutcome::TokenRejected) => {
+                    token_rejected(TokenRejection::Unknown);
+                    return Ok(log.rejected(token_unknown()));
+                }
                 Err(e) => Err(e),
             }
         } else {
@@ -401,16 +420,23 @@ impl Guarded {
                         "failed"
                     }
                 };
+                // Released: nothing is kept and a retry runs again (also a
+                // 502 for an upstream that was never reached).
+                let outcome = if saved == "released" {
+                    RequestOutcome::Released
+                } else {
+                    RequestOutcome::Executed
+                };
                 match value {
-                    Ok(resp) => Ok(log.finish("executed", resp, Some(saved))),
+                    Ok(resp) => Ok(log.finish(outcome, resp, Some(saved))),
                     Err(e) => {
-                        log.inner_error(saved);
+                        log.inner_error(outcome, saved);
                         Err(e)
                     }
                 }
             }
             Ok(Outcome::Replayed(stored)) => {
-                Ok(log.finish("replayed", replay_response(&stored), None))
+                Ok(log.finish(RequestOutcome::Replayed, replay_response(&stored), None))
             }
             Ok(Outcome::InFlight { retry_after }) => {
                 let secs = retry_after_secs(retry_after);
@@ -424,7 +450,7 @@ impl Guarded {
                 )
                 .with_header(header::RETRY_AFTER, HeaderValue::from(secs))
                 .into_response();
-                Ok(log.finish("in-flight", resp, None))
+                Ok(log.finish(RequestOutcome::InFlight, resp, None))
             }
             Ok(Outcome::Mismatch) => {
                 let resp = Problem::new(
@@ -435,15 +461,22 @@ impl Guarded {
                      new request.",
                 )
                 .into_response();
-                Ok(log.finish("mismatch", resp, None))
+                Ok(log.finish(RequestOutcome::Mismatch, resp, None))
             }
         }
     }
 }
 
 /// Calls `inner` with the request's body boxed, and boxes the response body:
-/// no buffering, no limit.
-fn pass_through<S, B, RB>(inner: &mut S, req: Request<B>) -> ResponseFuture<S::Error>
+/// no buffering, no limit. Counted as [`RequestOutcome::Passthrough`]
+/// (from `started`), and logged with `access_log`.
+fn pass_through<S, B, RB>(
+    inner: &mut S,
+    req: Request<B>,
+    started: Instant,
+    observer: &Arc<Observer>,
+    access_log: bool,
+) -> ResponseFuture<S::Error>
 where
     S: Service<Request<BoxBody>, Response = Response<RB>>,
     S::Future: Send + 'static,
@@ -453,12 +486,26 @@ where
     RB: Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    boxed_response(inner.call(req.map(|b| b.map_err(Into::into).boxed_unsync())))
+    let access = access_log.then(|| {
+        let path = match normalize_path(req.uri().path()) {
+            Ok(p) => p.into_owned(),
+            Err(_) => req.uri().path().to_owned(),
+        };
+        (req.method().clone(), path)
+    });
+    let fut = inner.call(req.map(|b| b.map_err(Into::into).boxed_unsync()));
+    boxed_response(fut, started, observer.clone(), access)
 }
 
-/// The inner service's future with its response body boxed. Generic over
-/// the future (not `S::Future`) so the async block is provably `Send`.
-fn boxed_response<F, E, RB>(fut: F) -> ResponseFuture<E>
+/// The inner service's future with its response body boxed, counted as a
+/// pass-through when it resolves. Generic over the future (not
+/// `S::Future`) so the async block is provably `Send`.
+fn boxed_response<F, E, RB>(
+    fut: F,
+    started: Instant,
+    observer: Arc<Observer>,
+    access: Option<(Method, String)>,
+) -> ResponseFuture<E>
 where
     F: std::future::Future<Output = Result<Response<RB>, E>> + Send + 'static,
     E: Send + 'static,
@@ -466,9 +513,24 @@ where
     RB::Error: Into<BoxError>,
 {
     ResponseFuture::new(async move {
-        let resp = fut.await?;
-        crate::trace::record_end(None, Some(resp.status()));
-        Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))
+        let resp = fut.await;
+        let (method, path) = match &access {
+            Some((m, p)) => (m, p.as_str()),
+            None => (&Method::GET, ""),
+        };
+        observer.finished(&Finished {
+            outcome: RequestOutcome::Passthrough,
+            status: resp.as_ref().ok().map(Response::status),
+            elapsed: started.elapsed(),
+            method,
+            path,
+            route: route_name(false),
+            key: None,
+            scoped: None,
+            saved: None,
+            log: access.is_some(),
+        });
+        Ok(resp?.map(|b| b.map_err(Into::into).boxed_unsync()))
     })
 }
 
@@ -512,16 +574,16 @@ where
                     .headers
                     .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("unprotected"));
                 let resp = Response::from_parts(parts, body.map_err(Into::into).boxed_unsync());
-                return Ok(log.finish("unprotected", resp, None));
+                return Ok(log.finish(RequestOutcome::FailedOpen, resp, None));
             }
             tracing::error!(
                 target: "idem", key = %key, method = %log.method, path = %log.path,
                 "FAIL-OPEN REFUSED: the idempotency store is unavailable, but this key was seen \
                  claimed or completed moments ago; forwarding it would run it twice. Answering 503."
             );
-            Ok(log.rejected(failure.problem()))
+            Ok(log.finish(RequestOutcome::StoreError, failure.problem().into_response(), None))
         }
-        _ => Ok(log.rejected(failure.problem())),
+        _ => Ok(log.finish(RequestOutcome::StoreError, failure.problem().into_response(), None)),
     }
 }
 
@@ -970,59 +1032,84 @@ fn raw_key_for_log(headers: &HeaderMap) -> String {
     s
 }
 
-/// The fields of the one log line per guarded request.
+/// The key of a guarded request, as its log line names it.
+#[derive(Debug, Clone)]
+enum LogKey {
+    /// Refused before a key was read.
+    None,
+    /// A key header that does not parse, escaped and cut to 300 bytes.
+    Raw(String),
+    /// The parsed key and the caller's scope (for `key_hash`).
+    Scoped(Scope, IdempotencyKey),
+}
+
+impl std::fmt::Display for LogKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LogKey::None => Ok(()),
+            LogKey::Raw(s) => f.write_str(s),
+            LogKey::Scoped(_, k) => f.write_str(k.as_str()),
+        }
+    }
+}
+
+/// What the one log line per guarded request needs; its outcome is
+/// recorded by [`Observer::finished`].
 #[derive(Debug, Clone)]
 struct LogCtx {
     started: Instant,
     method: Method,
     path: String,
-    key: String,
+    /// [`route_name`].
+    route: &'static str,
+    key: LogKey,
+    observer: Arc<Observer>,
 }
 
 impl LogCtx {
-    fn duration_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    fn observe(
+        &self,
+        outcome: RequestOutcome,
+        status: Option<StatusCode>,
+        saved: Option<&'static str>,
+    ) {
+        let (key, scoped) = match &self.key {
+            LogKey::None => (None, None),
+            LogKey::Raw(raw) => (Some(raw.as_str()), None),
+            LogKey::Scoped(scope, key) => (Some(key.as_str()), Some((scope, key))),
+        };
+        self.observer.finished(&Finished {
+            outcome,
+            status,
+            elapsed: self.started.elapsed(),
+            method: &self.method,
+            path: &self.path,
+            route: self.route,
+            key,
+            scoped,
+            saved,
+            log: true,
+        });
     }
 
-    /// Logs the outcome and hands the response back.
+    /// Records the outcome and hands the response back.
     fn finish(
         &self,
-        outcome: &'static str,
+        outcome: RequestOutcome,
         resp: Response<BoxBody>,
         saved: Option<&'static str>,
     ) -> Response<BoxBody> {
-        crate::trace::record_end(Some(outcome), Some(resp.status()));
-        tracing::info!(
-            target: "idem",
-            outcome,
-            status = resp.status().as_u16(),
-            duration_ms = self.duration_ms(),
-            key = %self.key,
-            method = %self.method,
-            path = %self.path,
-            saved = saved.unwrap_or("-"),
-            "idempotency-key request"
-        );
+        self.observe(outcome, Some(resp.status()), saved);
         resp
     }
 
     fn rejected(&self, problem: Problem) -> Response<BoxBody> {
-        self.finish("rejected", problem.into_response(), None)
+        self.finish(RequestOutcome::Rejected, problem.into_response(), None)
     }
 
-    fn inner_error(&self, saved: &'static str) {
-        crate::trace::record_end(Some("executed"), None);
-        tracing::info!(
-            target: "idem",
-            outcome = "executed",
-            inner_error = true,
-            duration_ms = self.duration_ms(),
-            key = %self.key,
-            method = %self.method,
-            path = %self.path,
-            saved,
-            "idempotency-key request: the inner service failed"
-        );
+    /// The inner service returned an error (no response).
+    fn inner_error(&self, outcome: RequestOutcome, saved: &'static str) {
+        self.observe(outcome, None, Some(saved));
     }
 }
 

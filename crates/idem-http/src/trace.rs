@@ -3,7 +3,8 @@
 //! the OTel semantic conventions' where one exists).
 //!
 //! - `idem.request` (`otel.kind = "server"`): one per request of a guarded
-//!   method. Fields: `http.request.method`, `url.path` (the normalised
+//!   method. `crate::observe` records the outcome, status and key hash
+//!   where the request ends. Fields: `http.request.method`, `url.path` (the normalised
 //!   path, no query), `idem.key_hash` ([`idem_core::key_hash`], never the
 //!   raw key or scope), `idem.outcome`, `http.response.status_code`,
 //!   `otel.status_code` (`error` for a 5xx answer).
@@ -19,8 +20,7 @@
 //! `tracestate` once an application installed the W3C propagator), unless
 //! the layer already runs inside a span of the application's.
 
-use http::{HeaderMap, Method, StatusCode};
-use idem_core::{IdempotencyKey, Scope};
+use http::{HeaderMap, Method};
 use tracing::field::Empty;
 use tracing::Span;
 
@@ -70,43 +70,6 @@ pub(crate) fn record_path(path: &str) {
     let span = Span::current();
     if !span.is_disabled() {
         span.record("url.path", path);
-    }
-}
-
-/// Records the scoped key's hash on the current span: computed only when
-/// the span is recorded.
-pub(crate) fn record_key(scope: &Scope, key: &IdempotencyKey) {
-    let span = Span::current();
-    if !span.is_disabled() {
-        span.record("idem.key_hash", idem_core::key_hash(scope, key).as_str());
-    }
-}
-
-/// Records how the request ended on the current span: `outcome` and the
-/// answer's status, when known (an inner error, `executed` without a
-/// status, marks the span as failed).
-// Until the metrics helper's `observe` module records these where the
-// request ends, the layer records them here (LogCtx::finish).
-pub(crate) fn record_end(outcome: Option<&'static str>, status: Option<StatusCode>) {
-    let span = Span::current();
-    if span.is_disabled() {
-        return;
-    }
-    if let Some(outcome) = outcome {
-        span.record("idem.outcome", outcome);
-    }
-    match status {
-        Some(status) => {
-            span.record("http.response.status_code", status.as_u16());
-            if status.is_server_error() {
-                span.record("otel.status_code", "error");
-            }
-        }
-        // The inner service failed: no answer of its own.
-        None if outcome == Some("executed") => {
-            span.record("otel.status_code", "error");
-        }
-        None => {}
     }
 }
 
