@@ -234,7 +234,8 @@ fn init_logging(
     {
         let (layer, guard) = match otlp {
             Some(endpoint) => {
-                let (layer, guard) = idem_gateway::otel::layer(endpoint).map_err(|e| e.to_string())?;
+                let (layer, guard) =
+                    idem_gateway::otel::layer(endpoint).map_err(|e| e.to_string())?;
                 (Some(layer), Some(guard))
             }
             None => (None, None),
@@ -255,9 +256,11 @@ fn init_logging(
     #[cfg(not(feature = "otel"))]
     {
         if otlp.is_some() {
-            return Err("--otlp-endpoint: this binary was built without the Cargo feature \
+            return Err(
+                "--otlp-endpoint: this binary was built without the Cargo feature \
                         `otel` (on by default), so it cannot export traces"
-                .to_owned());
+                    .to_owned(),
+            );
         }
         logs.try_init()
             .map_err(|e| format!("cannot install the logger: {e}"))?;

@@ -10,6 +10,7 @@
 //!   children, and the upstream gets a `traceparent` whose parent is the
 //!   `idem.upstream` span. Its replay gets a span with outcome `replayed`.
 //! - An unguarded request is continued and propagated too (`idem.proxy`).
+//! - A 5xx marks the request and upstream spans as failed.
 //! - Without `--otlp-endpoint` the client's `traceparent` reaches the
 //!   upstream untouched.
 //! - SIGTERM exports the spans still queued (a 60 s batch delay).
@@ -30,6 +31,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, KeyValue};
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
+use opentelemetry_proto::tonic::trace::v1::status::StatusCode as Code;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
 use support::*;
@@ -115,7 +117,12 @@ impl Receiver {
     }
 
     /// Waits (at most 20 s) until the spans of `trace_id` satisfy `done`.
-    async fn wait_for(&self, trace_id: &str, what: &str, done: impl Fn(&[GotSpan]) -> bool) -> Vec<GotSpan> {
+    async fn wait_for(
+        &self,
+        trace_id: &str,
+        what: &str,
+        done: impl Fn(&[GotSpan]) -> bool,
+    ) -> Vec<GotSpan> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let spans = self.spans_of(trace_id);
@@ -154,11 +161,7 @@ impl TraceUpstream {
     async fn start() -> Self {
         let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
         fn record(seen: &Mutex<Vec<Seen>>, path: &str, h: &HeaderMap) {
-            let header = |n: &str| {
-                h.get(n)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned)
-            };
+            let header = |n: &str| h.get(n).and_then(|v| v.to_str().ok()).map(str::to_owned);
             seen.lock().unwrap().push(Seen {
                 path: path.to_owned(),
                 traceparent: header("traceparent"),
@@ -168,21 +171,34 @@ impl TraceUpstream {
         let app = Router::new()
             .route(
                 "/pay",
-                post(|State(s): State<Arc<Mutex<Vec<Seen>>>>, h: HeaderMap| async move {
-                    record(&s, "/pay", &h);
-                    (
-                        StatusCode::CREATED,
-                        [("content-type", "application/json")],
-                        format!("{{\"payment\":{}}}", rand::random::<u32>()),
-                    )
-                }),
+                post(
+                    |State(s): State<Arc<Mutex<Vec<Seen>>>>, h: HeaderMap| async move {
+                        record(&s, "/pay", &h);
+                        (
+                            StatusCode::CREATED,
+                            [("content-type", "application/json")],
+                            format!("{{\"payment\":{}}}", rand::random::<u32>()),
+                        )
+                    },
+                ),
+            )
+            .route(
+                "/fail",
+                post(
+                    |State(s): State<Arc<Mutex<Vec<Seen>>>>, h: HeaderMap| async move {
+                        record(&s, "/fail", &h);
+                        (StatusCode::INTERNAL_SERVER_ERROR, "boom")
+                    },
+                ),
             )
             .route(
                 "/thing",
-                get(|State(s): State<Arc<Mutex<Vec<Seen>>>>, h: HeaderMap| async move {
-                    record(&s, "/thing", &h);
-                    "thing"
-                }),
+                get(
+                    |State(s): State<Arc<Mutex<Vec<Seen>>>>, h: HeaderMap| async move {
+                        record(&s, "/thing", &h);
+                        "thing"
+                    },
+                ),
             )
             .with_state(seen.clone());
         let (url, task) = serve(app).await;
@@ -354,7 +370,14 @@ async fn a_guarded_request_continues_the_clients_trace_and_propagates_it() {
     let receiver = Receiver::start().await;
     let upstream = TraceUpstream::start().await;
     let service = unique("idem-otel");
-    let gw = gateway(dir.path(), &upstream.url, Some(&receiver.url), &service, 100).await;
+    let gw = gateway(
+        dir.path(),
+        &upstream.url,
+        Some(&receiver.url),
+        &service,
+        100,
+    )
+    .await;
     let c = reqwest::Client::new();
 
     let trace_id = random_hex(16);
@@ -423,7 +446,10 @@ async fn a_guarded_request_continues_the_clients_trace_and_propagates_it() {
     let up = upstream_spans[0];
     assert_eq!(hex(&up.parent_span_id), hex(&executed.span_id));
     assert_eq!(up.kind, SpanKind::Client as i32);
-    assert_eq!(attr(&up.attributes, "http.response.status_code").as_deref(), Some("201"));
+    assert_eq!(
+        attr(&up.attributes, "http.response.status_code").as_deref(),
+        Some("201")
+    );
     let ops_under = |parent: &Span| -> Vec<String> {
         named(&spans, "idem.store")
             .into_iter()
@@ -433,7 +459,10 @@ async fn a_guarded_request_continues_the_clients_trace_and_propagates_it() {
     };
     let ops = ops_under(executed);
     for op in ["begin", "complete"] {
-        assert!(ops.iter().any(|o| o == op), "no store {op} under the request: {summaries:#?}");
+        assert!(
+            ops.iter().any(|o| o == op),
+            "no store {op} under the request: {summaries:#?}"
+        );
     }
     assert!(
         ops_under(replay).iter().any(|o| o == "begin"),
@@ -471,7 +500,14 @@ async fn an_unguarded_request_is_continued_and_propagated_too() {
     let dir = tempfile::tempdir().unwrap();
     let receiver = Receiver::start().await;
     let upstream = TraceUpstream::start().await;
-    let gw = gateway(dir.path(), &upstream.url, Some(&receiver.url), "idem-gateway", 100).await;
+    let gw = gateway(
+        dir.path(),
+        &upstream.url,
+        Some(&receiver.url),
+        "idem-gateway",
+        100,
+    )
+    .await;
     let trace_id = random_hex(16);
     let client_span = random_hex(8);
     let r = reqwest::Client::new()
@@ -491,13 +527,22 @@ async fn an_unguarded_request_is_continued_and_propagated_too() {
     let up = named(&spans, "idem.upstream")[0];
     assert_eq!(hex(&proxy.parent_span_id), client_span);
     assert_eq!(proxy.kind, SpanKind::Server as i32);
-    assert_eq!(attr(&proxy.attributes, "url.path").as_deref(), Some("/thing"));
-    assert_eq!(attr(&proxy.attributes, "http.response.status_code").as_deref(), Some("200"));
+    assert_eq!(
+        attr(&proxy.attributes, "url.path").as_deref(),
+        Some("/thing")
+    );
+    assert_eq!(
+        attr(&proxy.attributes, "http.response.status_code").as_deref(),
+        Some("200")
+    );
     assert_eq!(hex(&up.parent_span_id), hex(&proxy.span_id));
     assert!(named(&spans, "idem.request").is_empty());
     for g in &spans {
         for text in all_text(g) {
-            assert!(!text.contains("private"), "the query reached a span: {text:?}");
+            assert!(
+                !text.contains("private"),
+                "the query reached a span: {text:?}"
+            );
         }
     }
     let seen = upstream.seen();
@@ -511,6 +556,54 @@ async fn an_unguarded_request_is_continued_and_propagated_too() {
         attr(&spans[0].resource, "service.name").as_deref(),
         Some("idem-gateway")
     );
+}
+
+#[tokio::test]
+async fn a_5xx_marks_the_request_and_upstream_spans_as_failed() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start().await;
+    let upstream = TraceUpstream::start().await;
+    let gw = gateway(
+        dir.path(),
+        &upstream.url,
+        Some(&receiver.url),
+        "idem-gateway",
+        100,
+    )
+    .await;
+    let trace_id = random_hex(16);
+    let r = reqwest::Client::new()
+        .post(gw.url("/fail"))
+        .header("idempotency-key", unique("k"))
+        .header("traceparent", format!("00-{trace_id}-{}-01", random_hex(8)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 500);
+    let spans = receiver
+        .wait_for(&trace_id, "request and upstream spans", |s| {
+            !named(s, "idem.request").is_empty() && !named(s, "idem.upstream").is_empty()
+        })
+        .await;
+    let req = named(&spans, "idem.request")[0];
+    let up = named(&spans, "idem.upstream")[0];
+    // The 5xx is not kept: the key is released.
+    assert_eq!(
+        attr(&req.attributes, "idem.outcome").as_deref(),
+        Some("released")
+    );
+    assert_eq!(
+        attr(&req.attributes, "http.response.status_code").as_deref(),
+        Some("500")
+    );
+    assert_eq!(
+        attr(&up.attributes, "error.type").as_deref(),
+        Some("http-status")
+    );
+    for s in [req, up] {
+        let code = s.status.as_ref().map(|st| st.code);
+        assert_eq!(code, Some(Code::Error as i32), "{}", summary(s));
+    }
 }
 
 #[tokio::test]
@@ -532,7 +625,11 @@ async fn without_an_endpoint_the_clients_traceparent_passes_untouched() {
     let seen = upstream.seen();
     assert_eq!(seen.len(), 2);
     for s in &seen {
-        assert_eq!(s.traceparent.as_deref(), Some(traceparent.as_str()), "{s:?}");
+        assert_eq!(
+            s.traceparent.as_deref(),
+            Some(traceparent.as_str()),
+            "{s:?}"
+        );
     }
     assert_eq!(seen[0].tracestate.as_deref(), Some("vendor=opaque"));
 }
@@ -544,7 +641,14 @@ async fn sigterm_exports_the_queued_spans() {
     let upstream = TraceUpstream::start().await;
     // A batch delay far longer than the test: only the shutdown flush
     // can deliver the spans in time.
-    let mut gw = gateway(dir.path(), &upstream.url, Some(&receiver.url), "idem-gateway", 600_000).await;
+    let mut gw = gateway(
+        dir.path(),
+        &upstream.url,
+        Some(&receiver.url),
+        "idem-gateway",
+        600_000,
+    )
+    .await;
     let trace_id = random_hex(16);
     let (status, _) = pay_traced(
         &reqwest::Client::new(),
@@ -556,7 +660,10 @@ async fn sigterm_exports_the_queued_spans() {
     .await;
     assert_eq!(status, 201);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(receiver.spans_of(&trace_id).is_empty(), "exported before the delay");
+    assert!(
+        receiver.spans_of(&trace_id).is_empty(),
+        "exported before the delay"
+    );
     gw.signal("-TERM");
     let exit = gw.wait_exit(Duration::from_secs(30)).await;
     assert!(exit.success(), "{exit}:\n{}", gw.logs());

@@ -233,10 +233,10 @@ pub use config::{
     DEFAULT_STORE, DEFAULT_UPSTREAM_IDLE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
 };
 pub use config::{DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, MAX_DURATION};
-pub use otel::{parse_otlp_endpoint, OtlpEndpoint};
 /// The response field that marks an answer given without protection
 /// (`Idempotency-Status: unprotected`, see [Store outages](#store-outages)).
 pub use idem_http::IDEMPOTENCY_STATUS;
+pub use otel::{parse_otlp_endpoint, OtlpEndpoint};
 pub use proxy::{append_forwarded_for, strip_hop_by_hop, HOP_BY_HOP};
 pub use server::{shutdown_signal, Gateway, GatewayError, RESERVED_PREFIX};
 pub use store::{open_store, open_store_with, StoreOptions};

@@ -276,7 +276,10 @@ fn upstream_span(method: &Method, path: &str) -> tracing::Span {
 /// Records the upstream's status, or what failed, on its span.
 fn record_upstream<B>(
     span: &tracing::Span,
-    sent: &Result<Result<Response<B>, hyper_util::client::legacy::Error>, tokio::time::error::Elapsed>,
+    sent: &Result<
+        Result<Response<B>, hyper_util::client::legacy::Error>,
+        tokio::time::error::Elapsed,
+    >,
 ) {
     if span.is_disabled() {
         return;

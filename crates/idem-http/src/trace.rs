@@ -26,7 +26,6 @@ use tracing::Span;
 
 /// The `idem.request` span of a request of a guarded method.
 pub(crate) fn request_span(method: &Method, headers: &HeaderMap) -> Span {
-    let outer = Span::current().is_none();
     let span = tracing::debug_span!(
         target: "idem",
         "idem.request",
@@ -38,13 +37,12 @@ pub(crate) fn request_span(method: &Method, headers: &HeaderMap) -> Span {
         http.response.status_code = Empty,
         otel.status_code = Empty,
     );
-    continue_trace(&span, headers, outer);
+    continue_trace(&span, headers);
     span
 }
 
 /// The `idem.proxy` span of a request that is passed through.
 pub(crate) fn proxy_span(method: &Method, path: &str, headers: &HeaderMap) -> Span {
-    let outer = Span::current().is_none();
     let span = tracing::debug_span!(
         target: "idem",
         "idem.proxy",
@@ -61,7 +59,7 @@ pub(crate) fn proxy_span(method: &Method, path: &str, headers: &HeaderMap) -> Sp
             span.record("url.path", p);
         }
     }
-    continue_trace(&span, headers, outer);
+    continue_trace(&span, headers);
     span
 }
 
@@ -75,9 +73,10 @@ pub(crate) fn record_path(path: &str) {
 
 /// Makes the remote context in `headers` the parent of `span` (feature
 /// `otel`), when the span is recorded, was opened outside any span of the
-/// application's (`outer`), and the headers carry a valid context.
+/// application's (the current span, `span` not being entered yet), and the
+/// headers carry a valid context.
 #[cfg(feature = "otel")]
-fn continue_trace(span: &Span, headers: &HeaderMap, outer: bool) {
+fn continue_trace(span: &Span, headers: &HeaderMap) {
     use opentelemetry::propagation::Extractor;
     use opentelemetry::trace::TraceContextExt;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -92,7 +91,7 @@ fn continue_trace(span: &Span, headers: &HeaderMap, outer: bool) {
         }
     }
 
-    if !outer || span.is_disabled() {
+    if span.is_disabled() || !Span::current().is_none() {
         return;
     }
     let cx = opentelemetry::global::get_text_map_propagator(|p| p.extract(&Headers(headers)));
@@ -104,4 +103,4 @@ fn continue_trace(span: &Span, headers: &HeaderMap, outer: bool) {
 }
 
 #[cfg(not(feature = "otel"))]
-fn continue_trace(_: &Span, _: &HeaderMap, _: bool) {}
+fn continue_trace(_: &Span, _: &HeaderMap) {}
