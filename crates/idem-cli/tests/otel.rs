@@ -11,6 +11,8 @@
 //!   `idem.upstream` span. Its replay gets a span with outcome `replayed`.
 //! - An unguarded request is continued and propagated too (`idem.proxy`).
 //! - A 5xx marks the request and upstream spans as failed.
+//! - An unsampled client trace (`-00`) is not exported; the upstream still
+//!   gets a `traceparent` of that trace, unsampled, naming the gateway.
 //! - Without `--otlp-endpoint` the client's `traceparent` reaches the
 //!   upstream untouched.
 //! - SIGTERM exports the spans still queued (a 60 s batch delay).
@@ -555,6 +557,57 @@ async fn an_unguarded_request_is_continued_and_propagated_too() {
     assert_eq!(
         attr(&spans[0].resource, "service.name").as_deref(),
         Some("idem-gateway")
+    );
+}
+
+#[tokio::test]
+async fn an_unsampled_trace_is_not_exported_but_still_handed_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start().await;
+    let upstream = TraceUpstream::start().await;
+    let gw = gateway(
+        dir.path(),
+        &upstream.url,
+        Some(&receiver.url),
+        "idem-gateway",
+        100,
+    )
+    .await;
+    let c = reqwest::Client::new();
+    let unsampled = random_hex(16);
+    let client_span = random_hex(8);
+    let sampled = random_hex(16);
+    for traceparent in [
+        format!("00-{unsampled}-{client_span}-00"),
+        format!("00-{sampled}-{}-01", random_hex(8)),
+    ] {
+        let r = c
+            .get(gw.url("/thing"))
+            .header("traceparent", traceparent)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    // The sampled trace arriving means the batch holding both was sent.
+    receiver
+        .wait_for(&sampled, "the sampled trace", |s| {
+            !named(s, "idem.upstream").is_empty()
+        })
+        .await;
+    assert!(receiver.spans_of(&unsampled).is_empty());
+    let seen = upstream.seen();
+    let tp = seen[0].traceparent.clone().unwrap();
+    let parts: Vec<&str> = tp.split('-').collect();
+    assert_eq!(parts.len(), 4, "{tp}");
+    assert_eq!(
+        (parts[0], parts[1], parts[3]),
+        ("00", unsampled.as_str(), "00"),
+        "{tp}"
+    );
+    assert_ne!(
+        parts[2], client_span,
+        "the gateway names itself as the parent: {tp}"
     );
 }
 
