@@ -19,7 +19,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use idem_gateway::{Gateway, GatewayArgs};
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
 #[cfg(feature = "demo")]
 const LONG_ABOUT: &str = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
@@ -131,10 +133,18 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Err(e) = init_logging(cli.log_format, default_filter) {
-        eprintln!("idem: {e}");
-        return ExitCode::from(2);
-    }
+    let otlp = match &cli.command {
+        Command::Gateway(args) => args.otlp_endpoint.clone(),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    };
+    let traces = match init_logging(cli.log_format, default_filter, otlp.as_ref()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("idem: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let runtime = match build_runtime(std::env::var(RUNTIME_THREADS_VAR).ok().as_deref()) {
         Ok(rt) => rt,
         Err(e) => {
@@ -142,7 +152,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         match cli.command {
             Command::Gateway(args) => run_gateway(args).await,
             Command::Keys(args) => keys::run(args).await,
@@ -151,7 +161,10 @@ fn main() -> ExitCode {
             #[cfg(not(feature = "demo"))]
             Command::Demo { .. } => unreachable!("answered before the runtime starts"),
         }
-    })
+    });
+    // The spans of the last requests are still queued: export them.
+    traces.flush();
+    code
 }
 
 /// Environment variable choosing the async runtime's threads: `1` runs
@@ -185,8 +198,33 @@ fn build_runtime(threads: Option<&str>) -> Result<tokio::runtime::Runtime, Strin
     built.map_err(|e| e.to_string())
 }
 
-/// Installs the tracing subscriber: `RUST_LOG` when set, else `default_filter`.
-fn init_logging(format: LogFormat, default_filter: &str) -> Result<(), String> {
+/// The trace exporter, while one runs (`--otlp-endpoint`).
+struct Traces {
+    #[cfg(feature = "otel")]
+    guard: Option<idem_gateway::otel::OtelGuard>,
+}
+
+impl Traces {
+    /// Exports the queued spans and stops the exporter (bounded by its
+    /// export timeout).
+    fn flush(self) {
+        #[cfg(feature = "otel")]
+        if let Some(guard) = self.guard {
+            if let Err(e) = guard.shutdown() {
+                eprintln!("idem: the last traces were not exported: {e}");
+            }
+        }
+    }
+}
+
+/// Installs the tracing subscriber: log lines filtered by `RUST_LOG` when
+/// set, else `default_filter`; with `otlp`, the OpenTelemetry layer too
+/// (its own filter: the `idem.*` spans, whatever the log filter says).
+fn init_logging(
+    format: LogFormat,
+    default_filter: &str,
+    otlp: Option<&idem_gateway::OtlpEndpoint>,
+) -> Result<Traces, String> {
     let filter = match std::env::var("RUST_LOG") {
         Ok(v) if !v.trim().is_empty() => {
             EnvFilter::try_new(&v).map_err(|e| format!("invalid RUST_LOG value {v:?}: {e}"))?
@@ -195,15 +233,50 @@ fn init_logging(format: LogFormat, default_filter: &str) -> Result<(), String> {
     };
     // Colours only on a terminal, and not when NO_COLOR is set.
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let fmt = tracing_subscriber::fmt::layer()
         .with_ansi(ansi)
         .with_writer(std::io::stderr);
-    let result = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+    let fmt = match format {
+        LogFormat::Text => fmt.boxed(),
+        LogFormat::Json => fmt.json().boxed(),
     };
-    result.map_err(|e| format!("cannot install the logger: {e}"))
+    let logs = tracing_subscriber::registry().with(fmt.with_filter(filter));
+    #[cfg(feature = "otel")]
+    {
+        let (layer, guard) = match otlp {
+            Some(endpoint) => {
+                let (layer, guard) =
+                    idem_gateway::otel::layer(endpoint).map_err(|e| e.to_string())?;
+                (Some(layer), Some(guard))
+            }
+            None => (None, None),
+        };
+        logs.with(layer)
+            .try_init()
+            .map_err(|e| format!("cannot install the logger: {e}"))?;
+        if let Some(endpoint) = otlp {
+            tracing::info!(
+                target: "idem",
+                otlp = %endpoint,
+                service = %idem_gateway::otel::service_name(),
+                "idem exporting traces"
+            );
+        }
+        Ok(Traces { guard })
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        if otlp.is_some() {
+            return Err(
+                "--otlp-endpoint: this binary was built without the Cargo feature \
+                        `otel` (on by default), so it cannot export traces"
+                    .to_owned(),
+            );
+        }
+        logs.try_init()
+            .map_err(|e| format!("cannot install the logger: {e}"))?;
+        Ok(Traces {})
+    }
 }
 
 /// `idem gateway`: binds, serves until Ctrl-C / SIGTERM, then drains.

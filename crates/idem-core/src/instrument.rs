@@ -16,7 +16,7 @@
 //! or URL ever becomes a label.
 //!
 //! Each call also runs inside a `tracing` span named `idem.store` (target
-//! `idem`, level INFO) with the field `op`, a child of the caller's span
+//! `idem`, level DEBUG) with the field `op`, a child of the caller's span
 //! (so an OpenTelemetry layer exports it under the request's span).
 
 use std::future::Future;
@@ -155,7 +155,8 @@ impl<S> InstrumentedStore<S> {
     pub fn new(inner: S) -> Self {
         Self {
             inner,
-            durations: StoreOp::ALL.map(|op| metrics::histogram!(STORE_DURATION, "op" => op.as_str())),
+            durations: StoreOp::ALL
+                .map(|op| metrics::histogram!(STORE_DURATION, "op" => op.as_str())),
         }
     }
 
@@ -170,7 +171,9 @@ impl<S> InstrumentedStore<S> {
         op: StoreOp,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let span = tracing::info_span!(target: "idem", "idem.store", op = op.as_str());
+        // DEBUG: the default `info` log filter leaves it off (no cost, and
+        // log lines keep their shape); the OTel layer has its own filter.
+        let span = tracing::debug_span!(target: "idem", "idem.store", op = op.as_str());
         let started = Instant::now();
         // A span no subscriber wants (the usual case without tracing
         // export) is not entered on every poll.

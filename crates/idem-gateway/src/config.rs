@@ -348,6 +348,13 @@ pub struct GatewayArgs {
     /// admin listener serves only `/metrics` and the health probes.
     #[arg(long, env = "IDEM_ADMIN_TOKEN_FILE", value_name = "FILE")]
     pub admin_token_file: Option<std::path::PathBuf>,
+
+    /// Export traces over OTLP/HTTP (protobuf) to this collector, given as
+    /// its base URL like OTEL_EXPORTER_OTLP_ENDPOINT (`/v1/traces` is
+    /// appended, e.g. http://127.0.0.1:4318). Service name:
+    /// OTEL_SERVICE_NAME, default `idem-gateway`. Unset: no export.
+    #[arg(long, env = "IDEM_OTLP_ENDPOINT", value_name = "URL", value_parser = crate::otel::parse_otlp_endpoint)]
+    pub otlp_endpoint: Option<crate::otel::OtlpEndpoint>,
 }
 
 /// Where the admin listener listens: an address, or nowhere.

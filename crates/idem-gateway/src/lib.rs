@@ -56,6 +56,7 @@
 //! | `--anonymous-tokens` | `IDEM_ANONYMOUS_TOKENS` | off | issue tokens to callers without any `--scope-header` (otherwise 400 `scope-required`); they share one scope |
 //! | `--tokens-per-scope N` | `IDEM_TOKENS_PER_SCOPE` | `100` | most live (unused, unexpired) tokens per caller scope, per instance; 429 `too-many-tokens` + `Retry-After` beyond; > 0 |
 //! | `--max-live-tokens N` | `IDEM_MAX_LIVE_TOKENS` | `100000` | most live tokens in all, per instance (each is a store record); 429 beyond; > 0, with `memory://` at most half its `idem_max_records` |
+//! | `--otlp-endpoint URL` | `IDEM_OTLP_ENDPOINT` | none (no export) | export traces over OTLP/HTTP (protobuf) to this collector base URL (`/v1/traces` is appended); needs the feature `otel` (on in the `idem` binary); see [`otel`] |
 //! | `--purge-interval DURATION` | `IDEM_PURGE_INTERVAL` | `1m` | how often expired records are deleted from the store (the first purge one interval after start); an expired record is never replayed, purged or not; > 0 |
 //!
 //! ## Stores
@@ -236,6 +237,7 @@ mod guard;
 mod health;
 pub mod keys;
 mod limits;
+pub mod otel;
 mod proxy;
 mod server;
 mod store;
@@ -251,6 +253,7 @@ pub use config::{DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, MAX_DURATION};
 /// The response field that marks an answer given without protection
 /// (`Idempotency-Status: unprotected`, see [Store outages](#store-outages)).
 pub use idem_http::IDEMPOTENCY_STATUS;
+pub use otel::{parse_otlp_endpoint, OtlpEndpoint};
 pub use proxy::{append_forwarded_for, strip_hop_by_hop, HOP_BY_HOP};
 pub use server::{shutdown_signal, Gateway, GatewayError, RESERVED_PREFIX};
 pub use store::{open_store, open_store_with, StoreOptions};

@@ -21,6 +21,7 @@ use idem_http::{normalize_path, problem, BoxBody, BoxError, Disposition};
 use ipnet::IpNet;
 use std::borrow::Cow;
 use tower_http::timeout::{TimeoutBody, TimeoutError};
+use tracing::Instrument;
 
 /// Hop-by-hop fields (RFC 9110 §7.6.1) and their removal, shared with the
 /// layer's replays; `Idempotency-Key` is kept even when `Connection` names it.
@@ -257,6 +258,47 @@ impl tower_service::Service<Request<BoxBody>> for Proxy {
     }
 }
 
+/// The `idem.upstream` span of one upstream call (`DEBUG`, target `idem`:
+/// recorded only when traces are exported; see [`crate::otel`]).
+fn upstream_span(method: &Method, path: &str) -> tracing::Span {
+    tracing::debug_span!(
+        target: "idem",
+        "idem.upstream",
+        otel.kind = "client",
+        http.request.method = %method,
+        url.path = path,
+        http.response.status_code = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    )
+}
+
+/// Records the upstream's status, or what failed, on its span.
+fn record_upstream<B>(
+    span: &tracing::Span,
+    sent: &Result<
+        Result<Response<B>, hyper_util::client::legacy::Error>,
+        tokio::time::error::Elapsed,
+    >,
+) {
+    if span.is_disabled() {
+        return;
+    }
+    let error = match sent {
+        Ok(Ok(resp)) => {
+            span.record("http.response.status_code", resp.status().as_u16());
+            resp.status().is_server_error().then_some("http-status")
+        }
+        Ok(Err(e)) if e.is_connect() => Some("connect"),
+        Ok(Err(_)) => Some("connection"),
+        Err(_) => Some("timeout"),
+    };
+    if let Some(kind) = error {
+        span.record("error.type", kind);
+        span.record("otel.status_code", "error");
+    }
+}
+
 fn with_disposition(mut resp: Response<BoxBody>, d: Disposition) -> Response<BoxBody> {
     resp.extensions_mut().insert(d);
     resp
@@ -305,14 +347,21 @@ impl Proxy {
         parts.version = Version::HTTP_11;
         let method = parts.method.clone();
         let path = parts.uri.path().to_owned();
+        let span = upstream_span(&method, &path);
+        // With `--otlp-endpoint`, the upstream continues the trace from
+        // this call (a new `traceparent`); otherwise the client's passes.
+        #[cfg(feature = "otel")]
+        crate::otel::inject(&span, &mut parts.headers);
 
         let started = std::time::Instant::now();
         let sent = tokio::time::timeout(
             self.timeout,
             self.client.request(Request::from_parts(parts, body)),
         )
+        .instrument(span.clone())
         .await;
         self.duration.record(started.elapsed());
+        record_upstream(&span, &sent);
         match sent {
             Ok(Ok(resp)) if resp.status().is_informational() => {
                 // Only a 101 reaches here (hyper skips other 1xx). The

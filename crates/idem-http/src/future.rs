@@ -19,6 +19,9 @@ type Inner<E> = Pin<Box<dyn Future<Output = Result<Response<BoxBody>, E>> + Send
 /// result.
 pub struct ResponseFuture<E> {
     inner: Inner<E>,
+    /// Entered while the future is polled (the request's span; none for
+    /// answers decided in `call`).
+    span: tracing::Span,
 }
 
 impl<E> ResponseFuture<E> {
@@ -27,7 +30,14 @@ impl<E> ResponseFuture<E> {
     ) -> Self {
         Self {
             inner: Box::pin(fut),
+            span: tracing::Span::none(),
         }
+    }
+
+    /// The same future, polled inside `span`.
+    pub(crate) fn in_span(mut self, span: tracing::Span) -> Self {
+        self.span = span;
+        self
     }
 }
 
@@ -35,7 +45,9 @@ impl<E> Future for ResponseFuture<E> {
     type Output = Result<Response<BoxBody>, E>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
+        let this = &mut *self;
+        let _entered = this.span.enter();
+        this.inner.as_mut().poll(cx)
     }
 }
 

@@ -109,6 +109,7 @@ pub mod replay;
 mod scope;
 mod service;
 mod tokens;
+mod trace;
 
 use bytes::Bytes;
 pub use idem_core::{DynStore, Scope};

@@ -241,6 +241,10 @@ impl Observer {
             span.record("idem.outcome", f.outcome.as_str());
             if let Some(status) = f.status {
                 span.record("http.response.status_code", status.as_u16());
+                // OTel: a server span with a 5xx answer failed.
+                if status.is_server_error() {
+                    span.record("otel.status_code", "error");
+                }
             }
             if let Some(h) = &hash {
                 span.record("idem.key_hash", h.as_str());

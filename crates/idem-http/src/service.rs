@@ -14,15 +14,18 @@ use idem_core::{
 };
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::body::{full, Prefixed};
 use crate::budget::{BodyBudget, Reservation};
 use crate::fingerprint::request_fingerprint;
 use crate::future::ResponseFuture;
-use crate::observe::{route_name, token_rejected, Finished, Observer, RequestOutcome, TokenRejection};
 use crate::key::{
     key_from_headers, key_header_value, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS,
     IDEMPOTENT_REPLAYED,
+};
+use crate::observe::{
+    route_name, token_rejected, Finished, Observer, RequestOutcome, TokenRejection,
 };
 use crate::options::{FailOpenGuard, Options};
 use crate::path::{normalize_path, PathError};
@@ -136,8 +139,12 @@ where
             }
             // Unguarded: no log context (the path is copied only for the
             // access log).
-            return pass_through(&mut inner, req, started, observer, options.access_log);
+            let span = crate::trace::proxy_span(req.method(), req.uri().path(), req.headers());
+            return span
+                .in_scope(|| pass_through(&mut inner, req, started, observer, options.access_log))
+                .in_span(span);
         }
+        let entered = crate::trace::request_span(req.method(), req.headers()).entered();
         let log = log(&req);
         // Every decision by path (token routes, the fingerprint) and the
         // inner service see one normalised path.
@@ -150,6 +157,7 @@ where
             path: req.uri().path().to_owned(),
             ..log
         };
+        crate::trace::record_path(&log.path);
         let token = options.token_required(req.uri().path());
         let log = LogCtx {
             route: route_name(token),
@@ -169,6 +177,7 @@ where
             }
             Ok(None) if !options.require_key => {
                 return pass_through(&mut inner, req, started, observer, options.access_log)
+                    .in_span(entered.exit());
             }
             Ok(None) => {
                 return ready(log.rejected(Problem::new(
@@ -222,7 +231,9 @@ where
             body_budget: self.body_budget.clone(),
             running: self.observer.running(),
         };
-        guarded.respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
+        guarded
+            .respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
+            .in_span(entered.exit())
     }
 }
 
@@ -281,7 +292,10 @@ impl Guarded {
             // service drops the buffered body.
             let body = Reserved::new(full(bytes), reservation).boxed_unsync();
             let req = Request::from_parts(parts, body);
-            let job = self.run::<S, F, E, RB>(inner, req, fingerprint);
+            // The spawned run goes on in the request's span.
+            let job = self
+                .run::<S, F, E, RB>(inner, req, fingerprint)
+                .instrument(tracing::Span::current());
             match tokio::runtime::Handle::try_current() {
                 Ok(rt) => match tracker.spawn_on(job, &rt).await {
                     Ok(result) => result,
@@ -565,9 +579,17 @@ where
                 "FAIL-OPEN REFUSED: the idempotency store is unavailable, but this key was seen \
                  claimed or completed moments ago; forwarding it would run it twice. Answering 503."
             );
-            Ok(log.finish(RequestOutcome::StoreError, failure.problem().into_response(), None))
+            Ok(log.finish(
+                RequestOutcome::StoreError,
+                failure.problem().into_response(),
+                None,
+            ))
         }
-        _ => Ok(log.finish(RequestOutcome::StoreError, failure.problem().into_response(), None)),
+        _ => Ok(log.finish(
+            RequestOutcome::StoreError,
+            failure.problem().into_response(),
+            None,
+        )),
     }
 }
 
