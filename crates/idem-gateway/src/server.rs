@@ -262,7 +262,10 @@ impl Gateway {
                 kind,
                 token,
                 store_timeout: config.store_options.timeout,
+                status: admin::status::PageState::default(),
             });
+            admin::status::install_alone();
+            admin::status::start_sampler();
             tokio::spawn(admin::serve(admin_listener, state, admin_stop.clone()));
         }
         let cap = config.connection_cap()?;
