@@ -232,6 +232,7 @@
     $("token").focus();
   }
   function showStatus() {
+    setText("login-error", "");
     $("login").hidden = true;
     $("status").hidden = false;
     $("signout").hidden = false;
