@@ -49,7 +49,9 @@ impl Chromium {
                     .is_ok_and(|s| s.success())
             })
             .unwrap_or_else(|| {
-                panic!("chromium is not installed; this test needs it. Install it with:\n  {INSTALL}")
+                panic!(
+                    "chromium is not installed; this test needs it. Install it with:\n  {INSTALL}"
+                )
             });
         let profile = tempfile::tempdir().unwrap();
         let mut child = Command::new(program)
@@ -74,7 +76,9 @@ impl Chromium {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {program} ({e}); install it with:\n  {INSTALL}"));
+            .unwrap_or_else(|e| {
+                panic!("cannot start {program} ({e}); install it with:\n  {INSTALL}")
+            });
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -139,9 +143,8 @@ impl Drop for Chromium {
     }
 }
 
-type Ws = tokio_tungstenite::WebSocketStream<
-    tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
->;
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 /// One page, spoken to over the DevTools protocol.
 struct Cdp {
@@ -183,7 +186,11 @@ impl Cdp {
             if v["id"] != id {
                 continue;
             }
-            assert!(v["error"].is_null(), "DevTools {method} failed: {}", v["error"]);
+            assert!(
+                v["error"].is_null(),
+                "DevTools {method} failed: {}",
+                v["error"]
+            );
             return v["result"].clone();
         }
     }
@@ -230,6 +237,7 @@ impl Cdp {
 
 /// What the page displays, read from the DOM and the canvases.
 const READ_PAGE: &str = r##"(() => {
+  if (!document.getElementById("chart-store")) return { loaded: false };
   const txt = (id) => { const e = document.getElementById(id); return e ? e.textContent : null; };
   const n = (s) => s === null || s === "–" ? null : Number(String(s).replace(/,/g, ""));
   const totals = {};
@@ -330,7 +338,10 @@ async fn status_page_shows_live_numbers_and_charts_in_chromium() {
     let shell = c.get(format!("{admin}/")).send().await.unwrap();
     assert_eq!(shell.status(), 200);
     let csp = shell.headers()["content-security-policy"].to_str().unwrap();
-    assert!(csp.contains("script-src 'self'") && !csp.contains("unsafe-inline"), "{csp}");
+    assert!(
+        csp.contains("script-src 'self'") && !csp.contains("unsafe-inline"),
+        "{csp}"
+    );
     assert_eq!(shell.headers()["cache-control"], "no-store");
     assert_eq!(shell.headers()["x-content-type-options"], "nosniff");
     let no_token = c.get(format!("{admin}/status.json")).send().await.unwrap();
@@ -363,7 +374,10 @@ async fn status_page_shows_live_numbers_and_charts_in_chromium() {
     // A wrong token is refused and the form comes back.
     enter_token(&mut page, "wrong-token-wrong-token-0000").await;
     page.until("the refusal", Duration::from_secs(10), READ_PAGE, |v| {
-        v["loginShown"] == true && v["loginError"].as_str().is_some_and(|s| s.contains("refused"))
+        v["loginShown"] == true
+            && v["loginError"]
+                .as_str()
+                .is_some_and(|s| s.contains("refused"))
     })
     .await;
 
@@ -382,21 +396,21 @@ async fn status_page_shows_live_numbers_and_charts_in_chromium() {
         .await;
     assert_eq!(shown["store"], "ready", "{shown}");
     assert!(shown["replaysMinute"].as_u64() == Some(16), "{shown}");
-    assert!(shown["p99"].as_str().is_some_and(|s| s.ends_with("ms")), "{shown}");
+    assert!(
+        shown["p99"].as_str().is_some_and(|s| s.ends_with("ms")),
+        "{shown}"
+    );
 
-    // The charts: at least two samples (one every 5 s) drawn in colour.
+    // The charts: at least two samples (one every 5 s) drawn in colour
+    // (the latency chart has points only for samples with requests).
     let shown = page
-        .until(
-            "drawn charts",
-            Duration::from_secs(30),
-            READ_PAGE,
-            |v| {
-                let ch = &v["charts"];
-                ch["chart-rates"]["points"].as_u64() >= Some(2)
-                    && ch["chart-rates"]["ink"].as_u64() > Some(100)
-                    && ch["chart-latency"]["ink"].as_u64() > Some(100)
-            },
-        )
+        .until("drawn charts", Duration::from_secs(30), READ_PAGE, |v| {
+            let ch = &v["charts"];
+            ch["chart-rates"]["points"].as_u64() >= Some(2)
+                && ch["chart-rates"]["ink"].as_u64() > Some(100)
+                && ch["chart-latency"]["points"].as_u64() >= Some(2)
+                && ch["chart-latency"]["ink"].as_u64() > Some(30)
+        })
         .await;
     let renders = shown["renders"].as_u64().unwrap();
 
@@ -436,9 +450,12 @@ async fn status_page_shows_live_numbers_and_charts_in_chromium() {
         .unwrap();
     if data["in_flight_keys"]["supported"] == true {
         let shown = page
-            .until("three in-flight keys", Duration::from_secs(10), READ_PAGE, |v| {
-                v["keyRows"] == 3
-            })
+            .until(
+                "three in-flight keys",
+                Duration::from_secs(10),
+                READ_PAGE,
+                |v| v["keyRows"] == 3,
+            )
             .await;
         assert!(shown["keysNote"].as_str().unwrap().contains("3"), "{shown}");
     } else {
@@ -465,7 +482,11 @@ async fn status_page_shows_live_numbers_and_charts_in_chromium() {
         .decode(shot["data"].as_str().unwrap())
         .unwrap();
     assert!(png.starts_with(b"\x89PNG"), "not a PNG");
-    assert!(png.len() > 20_000, "a {} byte screenshot is too plain", png.len());
+    assert!(
+        png.len() > 20_000,
+        "a {} byte screenshot is too plain",
+        png.len()
+    );
     std::fs::write(dir.path().join("status-page.png"), &png).unwrap();
     if std::env::var("IDEM_UPDATE_SCREENSHOT").as_deref() == Ok("1") {
         std::fs::write(docs_png(), &png).unwrap();

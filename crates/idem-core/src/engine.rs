@@ -7,6 +7,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::StoreError;
+use crate::instrument::{LEASE_LOST, LEASE_TAKEOVERS, SAVE_RETRIES};
 use crate::store::{Begin, BeginRequest, Lease, Store};
 use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
 
@@ -344,6 +345,9 @@ impl<S: Store + Clone> Engine<S> {
             Begin::Mismatch => return Ok(Outcome::Mismatch),
         };
         let fence = lease.fence;
+        if lease.took_over {
+            metrics::counter!(LEASE_TAKEOVERS).increment(1);
+        }
         let (value, action, lost) = self.run_watched(&lease, op).await;
         let saved = match self.settle(key, lease, action).await {
             Settled::Key(saved) => {
@@ -354,6 +358,9 @@ impl<S: Store + Clone> Engine<S> {
             }
             Settled::SaveGaveUp(e) => Saved::Failed(e),
         };
+        if matches!(saved, Saved::LeaseLost) {
+            metrics::counter!(LEASE_LOST).increment(1);
+        }
         Ok(Outcome::Executed {
             value,
             fence,
@@ -621,6 +628,7 @@ impl<S: Store> ResultSave<S> {
                     tracing::info!(key = %key, fence, "the result was saved on a later attempt")
                 }
                 Ok(_) => {
+                    metrics::counter!(LEASE_LOST).increment(1);
                     tracing::warn!(key = %key, fence, "the lease was lost before the result could be saved")
                 }
                 Err(e) => {
@@ -654,6 +662,7 @@ impl<S: Store> ResultSave<S> {
                         tracing::error!(key = %self.lease.key, error = %err, body_bytes = self.response.body.len(), "the store keeps refusing this result; saving it without its body");
                         self.response.body = bytes::Bytes::new();
                         self.response.body_omitted = true;
+                        metrics::counter!(SAVE_RETRIES).increment(1);
                         continue;
                     }
                 }
@@ -666,6 +675,7 @@ impl<S: Store> ResultSave<S> {
             }
             tokio::time::sleep(self.delay).await;
             self.delay = (self.delay * 2).min(SAVE_MAX_DELAY);
+            metrics::counter!(SAVE_RETRIES).increment(1);
         }
     }
 }

@@ -24,6 +24,7 @@ mod clock;
 mod engine;
 mod error;
 mod fingerprint;
+pub mod instrument;
 mod key;
 pub mod lock;
 mod memory;
@@ -41,6 +42,7 @@ pub use engine::{
 };
 pub use error::{BoxError, KeyError, Phase, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
+pub use instrument::InstrumentedStore;
 pub use key::{IdempotencyKey, Scope, MAX_KEY_LEN};
 pub use memory::{MemoryLimits, MemoryStore};
 pub use response::StoredResponse;

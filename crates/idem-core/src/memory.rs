@@ -343,6 +343,29 @@ struct Shared {
     bytes: AtomicUsize,
     next_fence: AtomicU64,
     next_seq: AtomicU64,
+    /// `idem_memory_store_records` and `idem_memory_store_bytes`.
+    gauges: Gauges,
+}
+
+/// The gauges of [`MemoryStore::len`] and [`MemoryStore::bytes`]
+/// (registered when the store is made), set after every step that can
+/// change them. With several memory stores in one process the last step
+/// of any of them sets the values.
+struct Gauges {
+    records: metrics::Gauge,
+    bytes: metrics::Gauge,
+}
+
+/// Sets the gauges when a step ends, whichever way it returns.
+struct Publish<'a>(&'a Shared);
+
+impl Drop for Publish<'_> {
+    fn drop(&mut self) {
+        let sh = self.0;
+        let g = &sh.gauges;
+        g.records.set(sh.entries.load(Ordering::Relaxed) as f64);
+        g.bytes.set(sh.bytes.load(Ordering::Relaxed) as f64);
+    }
 }
 
 impl fmt::Debug for Shared {
@@ -620,6 +643,10 @@ impl MemoryStore {
                 bytes: AtomicUsize::new(0),
                 next_fence: AtomicU64::new(1),
                 next_seq: AtomicU64::new(0),
+                gauges: Gauges {
+                    records: metrics::gauge!("idem_memory_store_records"),
+                    bytes: metrics::gauge!("idem_memory_store_bytes"),
+                },
             }),
             clock: Arc::new(SystemClock),
             limits: MemoryLimits::default(),
@@ -669,6 +696,7 @@ fn owned_key(k: KeyRef<'_>) -> Box<[u8]> {
 #[async_trait]
 impl Store for MemoryStore {
     async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
+        let _publish = Publish(&self.inner);
         let now = self.clock.now();
         let sh = &*self.inner;
         let limits = &self.limits;
@@ -676,6 +704,9 @@ impl Store for MemoryStore {
         let hash = sh.hash(k);
         let shard = sh.shard_of(hash);
         let size = entry_size(k, None);
+        // Stays set across attempts: an ended claim removed in an attempt
+        // that then found no room was still taken over.
+        let mut took_over = false;
         for attempt in 1.. {
             {
                 let mut s = sh.lock(shard);
@@ -699,6 +730,7 @@ impl Store for MemoryStore {
                             });
                         }
                         _ => {
+                            took_over |= matches!(slot, Slot::Flight(_));
                             sh.remove(&mut s, hash, |sl| sl.key() == k, false);
                         }
                     }
@@ -723,6 +755,7 @@ impl Store for MemoryStore {
                         key: req.key.clone(),
                         fence,
                         until,
+                        took_over,
                     }));
                 }
             }
@@ -740,6 +773,7 @@ impl Store for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
+        let _publish = Publish(&self.inner);
         let now = self.clock.now();
         let sh = &*self.inner;
         let limits = &self.limits;
@@ -791,6 +825,7 @@ impl Store for MemoryStore {
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        let _publish = Publish(&self.inner);
         let sh = &*self.inner;
         let k = KeyRef::of(&lease.scope, &lease.key);
         let hash = sh.hash(k);
@@ -854,6 +889,7 @@ impl Store for MemoryStore {
     }
 
     async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let _publish = Publish(&self.inner);
         let sh = &*self.inner;
         let k = KeyRef::of(scope, key);
         let hash = sh.hash(k);
@@ -862,6 +898,7 @@ impl Store for MemoryStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let _publish = Publish(&self.inner);
         let now = self.clock.now();
         let sh = &*self.inner;
         let mut n = 0;

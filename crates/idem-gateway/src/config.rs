@@ -134,6 +134,19 @@ pub struct GatewayArgs {
     )]
     pub require_key: bool,
 
+    /// Also log requests that are not guarded (other methods, guarded ones
+    /// without a key): one line each, target `idem`, message `request`,
+    /// with `outcome=passthrough`, status, duration, method and the
+    /// normalised path. Guarded requests always get their line. The
+    /// variable takes true/false, yes/no, on/off, 1/0.
+    #[arg(
+        long,
+        env = "IDEM_ACCESS_LOG",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub access_log: bool,
+
     /// Largest body of a guarded request, bytes (413 beyond).
     #[arg(long, env = "IDEM_MAX_BODY", value_name = "BYTES", default_value = show_size(DEFAULT_MAX_BODY), value_parser = parse_size)]
     pub max_body: usize,
@@ -436,6 +449,7 @@ impl GatewayArgs {
             max_live_tokens: self.max_live_tokens,
             body_timeout: self.body_timeout,
             max_buffered: self.max_buffered,
+            access_log: self.access_log,
             ..config.layer
         };
         config.issue_tokens = self.issue_tokens;

@@ -238,6 +238,8 @@ pub(crate) struct Proxy {
     pub(crate) upstream: Arc<Upstream>,
     pub(crate) timeout: Duration,
     pub(crate) peer: SocketAddr,
+    /// `idem_upstream_duration_seconds`: request sent to response head.
+    pub(crate) duration: metrics::Histogram,
 }
 
 impl tower_service::Service<Request<BoxBody>> for Proxy {
@@ -304,11 +306,13 @@ impl Proxy {
         let method = parts.method.clone();
         let path = parts.uri.path().to_owned();
 
+        let started = std::time::Instant::now();
         let sent = tokio::time::timeout(
             self.timeout,
             self.client.request(Request::from_parts(parts, body)),
         )
         .await;
+        self.duration.record(started.elapsed());
         match sent {
             Ok(Ok(resp)) if resp.status().is_informational() => {
                 // Only a 101 reaches here (hyper skips other 1xx). The

@@ -127,6 +127,7 @@ impl Gateway {
     /// cannot be bound.
     pub async fn bind(config: GatewayConfig) -> Result<Gateway, GatewayError> {
         config.validate()?;
+        install_metrics(&config);
         let store = open_store_with(config.store.expose(), &config.store_options)
             .await
             .map_err(|source| GatewayError::Store {
@@ -154,6 +155,7 @@ impl Gateway {
             checked.store = "memory://".into();
         }
         checked.validate()?;
+        install_metrics(&config);
         let kind = StoreKind::of_url(config.store.expose()).map_or("custom", StoreKind::name);
         let recent = config.fail_open.then(|| {
             Arc::new(Recent::new(
@@ -251,6 +253,10 @@ impl Gateway {
             admin,
         } = self;
         log_startup(&config, kind, local_addr);
+        // The layer wraps the store (store call metrics): the admin API and
+        // the purge task use it as the layer does.
+        let routes = Routes::new(&config, store, kind, recent, upstream);
+        let store = routes.layer.store().clone();
         let admin_stop = tokio_util::sync::CancellationToken::new();
         let _admin_stop_on_exit = admin_stop.clone().drop_guard();
         if let Some((admin_listener, token)) = admin {
@@ -264,20 +270,27 @@ impl Gateway {
                 store_timeout: config.store_options.timeout,
                 status: admin::status::PageState::default(),
             });
-            admin::status::install_alone();
             admin::status::start_sampler();
             tokio::spawn(admin::serve(admin_listener, state, admin_stop.clone()));
         }
         let cap = config.connection_cap()?;
         log_connection_cap(&config, &cap);
-        let purge = tokio::spawn(purge_loop(store.clone(), config.purge_interval));
-        let routes = Routes::new(&config, store, kind, recent, upstream);
+        let purge = tokio::spawn(purge_loop(store, config.purge_interval));
         let graceful = GracefulShutdown::new();
         let door = Door::new(config.header_timeout, cap.connections);
         accept_until(listener, shutdown, &routes, &graceful, &door).await;
         drain(graceful, routes.layer.tracker(), config.shutdown_grace).await;
         purge.abort();
         Ok(())
+    }
+}
+
+/// Installs the Prometheus recorder ([`admin::metrics::install`]) when
+/// the admin listener is on, before the store and the layer register
+/// their metric handles.
+fn install_metrics(config: &GatewayConfig) {
+    if config.admin_listen.addr().is_some() {
+        admin::metrics::install();
     }
 }
 
@@ -364,6 +377,8 @@ struct Routes {
     client: UpstreamClient,
     upstream: Arc<Upstream>,
     upstream_timeout: Duration,
+    /// `idem_upstream_duration_seconds`.
+    upstream_duration: metrics::Histogram,
     store: DynStore,
     kind: &'static str,
 }
@@ -390,6 +405,7 @@ impl Routes {
             client: proxy::client(config.upstream_timeout, config.upstream_idle_timeout),
             upstream,
             upstream_timeout: config.upstream_timeout,
+            upstream_duration: metrics::histogram!(admin::metrics::UPSTREAM_DURATION),
             store,
             kind,
         }
@@ -402,6 +418,7 @@ impl Routes {
             upstream: self.upstream.clone(),
             timeout: self.upstream_timeout,
             peer,
+            duration: self.upstream_duration.clone(),
         };
         Root {
             inner: self.layer.layer(proxy),

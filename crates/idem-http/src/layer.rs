@@ -5,11 +5,12 @@ use std::time::Duration;
 
 use http::{HeaderMap, Method, StatusCode};
 use idem_core::token::{IssuedToken, SubmitTokens};
-use idem_core::{DynStore, Engine, Scope, Store};
+use idem_core::{DynStore, Engine, InstrumentedStore, Scope, Store};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
 use crate::budget::BodyBudget;
+use crate::observe::{token_rejected, Observer, TokenRejection};
 use crate::options::{FailOpenGuard, Options};
 use crate::policy::Disposition;
 use crate::scope::ScopeBy;
@@ -62,6 +63,8 @@ pub struct IdempotencyLayer {
     /// The bytes of buffered request bodies, shared by every service made
     /// ([`Options::max_buffered`]).
     body_budget: BodyBudget,
+    /// Metric handles (see [`crate::observe`]).
+    observer: Arc<Observer>,
 }
 
 impl IdempotencyLayer {
@@ -73,13 +76,19 @@ impl IdempotencyLayer {
 
     /// A layer over a shared store with explicit options and a new
     /// [`TaskTracker`].
+    ///
+    /// The store is wrapped in an [`InstrumentedStore`] (store call
+    /// metrics and `idem.store` spans), and the layer's metric handles are
+    /// registered now ([`crate::observe`]): install the process's metrics
+    /// recorder (if any) before building the layer.
     pub fn from_parts(store: DynStore, options: Options) -> Self {
         Self {
-            store,
+            store: Arc::new(InstrumentedStore::new(store)),
             body_budget: BodyBudget::new(options.max_buffered),
             options,
             tracker: TaskTracker::new(),
             live_tokens: Arc::default(),
+            observer: Arc::new(Observer::new()),
         }
     }
 
@@ -125,7 +134,8 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The store.
+    /// The store, as the layer uses it: the one given, wrapped in an
+    /// [`InstrumentedStore`].
     pub fn store(&self) -> &DynStore {
         &self.store
     }
@@ -295,6 +305,17 @@ impl IdempotencyLayer {
         /// assert_eq!((layer.options().policy)(StatusCode::NOT_FOUND), Disposition::Release);
         /// ```
         with_policy(policy: fn(StatusCode) -> Disposition);
+
+        /// Whether passed-through requests (unguarded methods, guarded ones
+        /// without a key) are logged too (default false; see
+        /// [`Options::access_log`]).
+        ///
+        /// ```
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_access_log(true);
+        /// assert!(layer.options().access_log);
+        /// ```
+        with_access_log(access_log: bool);
     }
 
     /// Guarded requests under these path prefixes must carry a live submit
@@ -380,18 +401,23 @@ impl IdempotencyLayer {
     pub async fn issue_token(&self, headers: &HeaderMap) -> Result<IssuedToken, TokenIssueError> {
         let scope = self.options.scope.scope_of(headers);
         if scope == Scope::anonymous() && !self.options.anonymous_tokens {
+            token_rejected(TokenRejection::ScopeRequired);
             return Err(TokenIssueError::ScopeRequired);
         }
-        let room = self.live_tokens.reserve(
-            &scope,
-            std::time::Instant::now(),
-            self.options.tokens_per_scope,
-            self.options.max_live_tokens,
-        )?;
+        let room = self
+            .live_tokens
+            .reserve(
+                &scope,
+                std::time::Instant::now(),
+                self.options.tokens_per_scope,
+                self.options.max_live_tokens,
+            )
+            .inspect_err(|_| token_rejected(TokenRejection::TooMany))?;
         let issued = self.tokens().issue(&scope, self.options.token_ttl).await?;
         // Counted from now, after the marker was written: never shorter
         // than the store keeps it.
         room.commit(&issued.token, std::time::Instant::now() + issued.expires_in);
+        self.observer.token_issued();
         Ok(issued)
     }
 }
@@ -407,7 +433,7 @@ impl<S> Layer<S> for IdempotencyLayer {
             Arc::new(self.options.clone()),
             self.tracker.clone(),
             self.live_tokens.clone(),
-            self.body_budget.clone(),
+            (self.body_budget.clone(), self.observer.clone()),
         )
     }
 }

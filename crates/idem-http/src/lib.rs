@@ -100,6 +100,7 @@ pub mod fingerprint;
 mod future;
 pub mod key;
 mod layer;
+pub mod observe;
 mod options;
 pub mod path;
 mod policy;
@@ -116,6 +117,7 @@ pub use body::full;
 pub use future::ResponseFuture;
 pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED};
 pub use layer::IdempotencyLayer;
+pub use observe::{RequestOutcome, TokenRejection};
 pub use options::{
     FailOpenGuard, Options, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT,
     DEFAULT_TOKEN_TTL,

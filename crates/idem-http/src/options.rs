@@ -139,6 +139,12 @@ pub struct Options {
     /// [`crate::IdempotencyLayer::with_max_buffered`] or
     /// [`crate::IdempotencyLayer::with_options`].
     pub max_buffered: usize,
+    /// Whether requests the layer passes through (unguarded methods,
+    /// guarded ones without a key) get a log line too (default false):
+    /// target `idem`, level INFO, message `request`, with `outcome =
+    /// passthrough`, `status`, `duration_ms`, `method`, the normalised
+    /// `path` and `route`. Guarded requests always get their line.
+    pub access_log: bool,
 }
 
 impl Default for Options {
@@ -162,6 +168,7 @@ impl Default for Options {
             max_live_tokens: crate::tokens::DEFAULT_MAX_LIVE_TOKENS,
             body_timeout: DEFAULT_BODY_TIMEOUT,
             max_buffered: DEFAULT_MAX_BUFFERED,
+            access_log: false,
         }
     }
 }

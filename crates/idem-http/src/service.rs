@@ -23,6 +23,9 @@ use crate::key::{
     key_from_headers, key_header_value, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS,
     IDEMPOTENT_REPLAYED,
 };
+use crate::observe::{
+    route_name, token_rejected, Finished, Observer, RequestOutcome, TokenRejection,
+};
 use crate::options::{FailOpenGuard, Options};
 use crate::path::{normalize_path, PathError};
 use crate::policy::Disposition;
@@ -61,6 +64,8 @@ pub struct IdempotencyService<S> {
     live_tokens: Arc<TokenBudget>,
     /// The layer's budget of buffered body bytes.
     body_budget: BodyBudget,
+    /// The layer's metric handles.
+    observer: Arc<Observer>,
 }
 
 impl<S> IdempotencyService<S> {
@@ -70,7 +75,7 @@ impl<S> IdempotencyService<S> {
         options: Arc<Options>,
         tracker: TaskTracker,
         live_tokens: Arc<TokenBudget>,
-        body_budget: BodyBudget,
+        (body_budget, observer): (BodyBudget, Arc<Observer>),
     ) -> Self {
         Self {
             inner,
@@ -79,6 +84,7 @@ impl<S> IdempotencyService<S> {
             tracker,
             live_tokens,
             body_budget,
+            observer,
         }
     }
 
@@ -116,19 +122,23 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let options = self.options.clone();
-
+        let started = Instant::now();
+        let observer = &self.observer;
         let log = |req: &Request<B>| LogCtx {
-            started: Instant::now(),
+            started,
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
-            key: String::new(),
+            route: route_name(false),
+            raw_key: None,
+            observer: observer.clone(),
         };
         if !options.methods.contains(req.method()) {
             if let Some(guarded) = case_variant_of(&options.methods, req.method()) {
                 return ready(log(&req).rejected(method_case(req.method(), guarded)));
             }
-            // Unguarded: no log context, no allocation.
-            return pass_through(&mut inner, req);
+            // Unguarded: no log context (the path is copied only for the
+            // access log).
+            return pass_through(&mut inner, req, started, observer, options.access_log);
         }
         let log = log(&req);
         // Every decision by path (token routes, the fingerprint) and the
@@ -143,9 +153,14 @@ where
             ..log
         };
         let token = options.token_required(req.uri().path());
+        let log = LogCtx {
+            route: route_name(token),
+            ..log
+        };
         let key = match key_from_headers(req.headers()) {
             Ok(Some(key)) => key,
             Ok(None) if token => {
+                token_rejected(TokenRejection::Missing);
                 return ready(log.rejected(Problem::new(
                     StatusCode::PRECONDITION_REQUIRED,
                     "token-required",
@@ -154,7 +169,9 @@ where
                      submitting.",
                 )));
             }
-            Ok(None) if !options.require_key => return pass_through(&mut inner, req),
+            Ok(None) if !options.require_key => {
+                return pass_through(&mut inner, req, started, observer, options.access_log)
+            }
             Ok(None) => {
                 return ready(log.rejected(Problem::new(
                     StatusCode::BAD_REQUEST,
@@ -164,7 +181,7 @@ where
             }
             Err(e) => {
                 let log = LogCtx {
-                    key: raw_key_for_log(req.headers()),
+                    raw_key: Some(raw_key_for_log(req.headers())),
                     ..log
                 };
                 let kind = match e {
@@ -181,10 +198,6 @@ where
                 )));
             }
         };
-        let log = LogCtx {
-            key: key.as_str().to_owned(),
-            ..log
-        };
         let scope = options.scope.scope_of(req.headers());
         // The key goes on in one form, the bare value: `"abc"`, `abc` and
         // `"abc";p=1` are one key here, so they must be one value to the
@@ -192,6 +205,11 @@ where
         if let Some(v) = key_header_value(&key) {
             req.headers_mut().insert(IDEMPOTENCY_KEY, v);
         }
+        let log = Arc::new(KeyedLog {
+            ctx: log,
+            scope,
+            key,
+        });
         if let Some(len) = content_length(req.headers()) {
             if len > options.max_body as u64 {
                 return ready(log.rejected(too_large(options.max_body)));
@@ -200,12 +218,11 @@ where
         let guarded = Guarded {
             engine: self.engine.clone(),
             options,
-            scope,
-            key,
             token,
             live_tokens: self.live_tokens.clone(),
             log,
             body_budget: self.body_budget.clone(),
+            running: self.observer.running(),
         };
         guarded.respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
     }
@@ -215,14 +232,15 @@ where
 struct Guarded {
     engine: Engine<DynStore>,
     options: Arc<Options>,
-    scope: Scope,
-    key: IdempotencyKey,
     /// The key must be a live submit token ([`crate::Options::require_token`]).
     token: bool,
     live_tokens: Arc<TokenBudget>,
-    log: LogCtx,
+    /// The log context, with the caller's scope and the key.
+    log: Arc<KeyedLog>,
     /// The layer's budget of buffered body bytes.
     body_budget: BodyBudget,
+    /// Counts this request in `idem_in_flight` until it is done.
+    running: crate::observe::Running,
 }
 
 impl Guarded {
@@ -250,7 +268,7 @@ impl Guarded {
         RB::Error: Into<BoxError>,
     {
         ResponseFuture::new(async move {
-            let log = self.log.clone();
+            let log = Arc::clone(&self.log);
             let (parts, body) = req.into_parts();
             let reservation = self.body_budget.reservation();
             let declared = content_length(&parts.headers);
@@ -275,7 +293,7 @@ impl Guarded {
                         // its lease, so it is not stuck.
                         tracing::error!(target: "idem", key = %log.key, error = %e, "the guarded request's task failed");
                         Ok(log.finish(
-                            "executed",
+                            RequestOutcome::Executed,
                             Problem::new(
                                 StatusCode::INTERNAL_SERVER_ERROR,
                                 "internal",
@@ -310,13 +328,13 @@ impl Guarded {
         let Guarded {
             engine,
             options,
-            scope,
-            key,
             token,
             live_tokens,
             log,
             body_budget: _,
+            running: _running,
         } = self;
+        let (scope, key) = (&log.scope, &log.key);
         let policy = options.policy;
         let retention_limit = options.retention_limit;
         // The inner service and the request until the engine runs them:
@@ -359,7 +377,10 @@ impl Guarded {
             }
             match outcome {
                 Ok(TokenOutcome::Keyed(outcome)) => Ok(outcome),
-                Ok(TokenOutcome::TokenRejected) => return Ok(log.rejected(token_unknown())),
+                Ok(TokenOutcome::TokenRejected) => {
+                    token_rejected(TokenRejection::Unknown);
+                    return Ok(log.rejected(token_unknown()));
+                }
                 Err(e) => Err(e),
             }
         } else {
@@ -370,7 +391,7 @@ impl Guarded {
                 // A token cannot be checked without the store: token routes
                 // never fail open.
                 let fail_open = options.fail_open.as_deref().filter(|_| !token);
-                store_failed(&e, unsent, fail_open, &scope, &key, &log).await
+                store_failed(&e, unsent, fail_open, &log).await
             }
             Ok(Outcome::Executed { value, saved, .. }) => {
                 let saved = match &saved {
@@ -386,16 +407,23 @@ impl Guarded {
                         "failed"
                     }
                 };
+                // Released: nothing is kept and a retry runs again (also a
+                // 502 for an upstream that was never reached).
+                let outcome = if saved == "released" {
+                    RequestOutcome::Released
+                } else {
+                    RequestOutcome::Executed
+                };
                 match value {
-                    Ok(resp) => Ok(log.finish("executed", resp, Some(saved))),
+                    Ok(resp) => Ok(log.finish(outcome, resp, Some(saved))),
                     Err(e) => {
-                        log.inner_error(saved);
+                        log.inner_error(outcome, saved);
                         Err(e)
                     }
                 }
             }
             Ok(Outcome::Replayed(stored)) => {
-                Ok(log.finish("replayed", replay_response(&stored), None))
+                Ok(log.finish(RequestOutcome::Replayed, replay_response(&stored), None))
             }
             Ok(Outcome::InFlight { retry_after }) => {
                 let secs = retry_after_secs(retry_after);
@@ -409,7 +437,7 @@ impl Guarded {
                 )
                 .with_header(header::RETRY_AFTER, HeaderValue::from(secs))
                 .into_response();
-                Ok(log.finish("in-flight", resp, None))
+                Ok(log.finish(RequestOutcome::InFlight, resp, None))
             }
             Ok(Outcome::Mismatch) => {
                 let resp = Problem::new(
@@ -420,15 +448,22 @@ impl Guarded {
                      new request.",
                 )
                 .into_response();
-                Ok(log.finish("mismatch", resp, None))
+                Ok(log.finish(RequestOutcome::Mismatch, resp, None))
             }
         }
     }
 }
 
 /// Calls `inner` with the request's body boxed, and boxes the response body:
-/// no buffering, no limit.
-fn pass_through<S, B, RB>(inner: &mut S, req: Request<B>) -> ResponseFuture<S::Error>
+/// no buffering, no limit. Counted as [`RequestOutcome::Passthrough`]
+/// (from `started`), and logged with `access_log`.
+fn pass_through<S, B, RB>(
+    inner: &mut S,
+    req: Request<B>,
+    started: Instant,
+    observer: &Arc<Observer>,
+    access_log: bool,
+) -> ResponseFuture<S::Error>
 where
     S: Service<Request<BoxBody>, Response = Response<RB>>,
     S::Future: Send + 'static,
@@ -438,12 +473,26 @@ where
     RB: Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    boxed_response(inner.call(req.map(|b| b.map_err(Into::into).boxed_unsync())))
+    let access = access_log.then(|| {
+        let path = match normalize_path(req.uri().path()) {
+            Ok(p) => p.into_owned(),
+            Err(_) => req.uri().path().to_owned(),
+        };
+        (req.method().clone(), path)
+    });
+    let fut = inner.call(req.map(|b| b.map_err(Into::into).boxed_unsync()));
+    boxed_response(fut, started, observer.clone(), access)
 }
 
-/// The inner service's future with its response body boxed. Generic over
-/// the future (not `S::Future`) so the async block is provably `Send`.
-fn boxed_response<F, E, RB>(fut: F) -> ResponseFuture<E>
+/// The inner service's future with its response body boxed, counted as a
+/// pass-through when it resolves. Generic over the future (not
+/// `S::Future`) so the async block is provably `Send`.
+fn boxed_response<F, E, RB>(
+    fut: F,
+    started: Instant,
+    observer: Arc<Observer>,
+    access: Option<(Method, String)>,
+) -> ResponseFuture<E>
 where
     F: std::future::Future<Output = Result<Response<RB>, E>> + Send + 'static,
     E: Send + 'static,
@@ -451,8 +500,24 @@ where
     RB::Error: Into<BoxError>,
 {
     ResponseFuture::new(async move {
-        let resp = fut.await?;
-        Ok(resp.map(|b| b.map_err(Into::into).boxed_unsync()))
+        let resp = fut.await;
+        let (method, path) = match &access {
+            Some((m, p)) => (m, p.as_str()),
+            None => (&Method::GET, ""),
+        };
+        observer.finished(&Finished {
+            outcome: RequestOutcome::Passthrough,
+            status: resp.as_ref().ok().map(Response::status),
+            elapsed: started.elapsed(),
+            method,
+            path,
+            route: route_name(false),
+            key: None,
+            scoped: None,
+            saved: None,
+            log: access.is_some(),
+        });
+        Ok(resp?.map(|b| b.map_err(Into::into).boxed_unsync()))
     })
 }
 
@@ -470,9 +535,7 @@ async fn store_failed<S, F, E, RB>(
     e: &StoreError,
     unsent: Option<(S, Request<BoxBody>)>,
     fail_open: Option<&dyn FailOpenGuard>,
-    scope: &Scope,
-    key: &IdempotencyKey,
-    log: &LogCtx,
+    log: &KeyedLog,
 ) -> Result<Response<BoxBody>, E>
 where
     S: Service<Request<BoxBody>, Response = Response<RB>, Future = F, Error = E>,
@@ -480,6 +543,7 @@ where
     RB: Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
+    let (scope, key) = (&log.scope, &log.key);
     let failure = StoreFailure::logged(key, e);
     match (unsent, fail_open) {
         (Some((mut inner, req)), Some(guard)) if failure == StoreFailure::Unavailable => {
@@ -496,16 +560,24 @@ where
                     .headers
                     .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("unprotected"));
                 let resp = Response::from_parts(parts, body.map_err(Into::into).boxed_unsync());
-                return Ok(log.finish("unprotected", resp, None));
+                return Ok(log.finish(RequestOutcome::FailedOpen, resp, None));
             }
             tracing::error!(
                 target: "idem", key = %key, method = %log.method, path = %log.path,
                 "FAIL-OPEN REFUSED: the idempotency store is unavailable, but this key was seen \
                  claimed or completed moments ago; forwarding it would run it twice. Answering 503."
             );
-            Ok(log.rejected(failure.problem()))
+            Ok(log.finish(
+                RequestOutcome::StoreError,
+                failure.problem().into_response(),
+                None,
+            ))
         }
-        _ => Ok(log.rejected(failure.problem())),
+        _ => Ok(log.finish(
+            RequestOutcome::StoreError,
+            failure.problem().into_response(),
+            None,
+        )),
     }
 }
 
@@ -954,57 +1026,96 @@ fn raw_key_for_log(headers: &HeaderMap) -> String {
     s
 }
 
-/// The fields of the one log line per guarded request.
-#[derive(Debug, Clone)]
+/// What the one log line per request needs before its key is known; its
+/// outcome is recorded by [`Observer::finished`].
+#[derive(Debug)]
 struct LogCtx {
     started: Instant,
     method: Method,
     path: String,
-    key: String,
+    /// [`route_name`].
+    route: &'static str,
+    /// A key header that does not parse, escaped and cut to 300 bytes.
+    raw_key: Option<String>,
+    observer: Arc<Observer>,
 }
 
 impl LogCtx {
-    fn duration_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    fn observe(
+        &self,
+        scoped: Option<(&Scope, &IdempotencyKey)>,
+        outcome: RequestOutcome,
+        status: Option<StatusCode>,
+        saved: Option<&'static str>,
+    ) {
+        let key = match scoped {
+            Some((_, key)) => Some(key.as_str()),
+            None => self.raw_key.as_deref(),
+        };
+        self.observer.finished(&Finished {
+            outcome,
+            status,
+            elapsed: self.started.elapsed(),
+            method: &self.method,
+            path: &self.path,
+            route: self.route,
+            key,
+            scoped,
+            saved,
+            log: true,
+        });
     }
 
-    /// Logs the outcome and hands the response back.
+    /// Records a refusal before the key was parsed and hands it back.
+    fn rejected(&self, problem: Problem) -> Response<BoxBody> {
+        let resp = problem.into_response();
+        self.observe(None, RequestOutcome::Rejected, Some(resp.status()), None);
+        resp
+    }
+}
+
+/// The log context of a guarded request: the caller's scope and its key
+/// (owned here, shared with the run by an `Arc`).
+#[derive(Debug)]
+struct KeyedLog {
+    ctx: LogCtx,
+    scope: Scope,
+    key: IdempotencyKey,
+}
+
+impl std::ops::Deref for KeyedLog {
+    type Target = LogCtx;
+
+    fn deref(&self) -> &LogCtx {
+        &self.ctx
+    }
+}
+
+impl KeyedLog {
+    /// Records the outcome and hands the response back.
     fn finish(
         &self,
-        outcome: &'static str,
+        outcome: RequestOutcome,
         resp: Response<BoxBody>,
         saved: Option<&'static str>,
     ) -> Response<BoxBody> {
-        tracing::info!(
-            target: "idem",
+        self.ctx.observe(
+            Some((&self.scope, &self.key)),
             outcome,
-            status = resp.status().as_u16(),
-            duration_ms = self.duration_ms(),
-            key = %self.key,
-            method = %self.method,
-            path = %self.path,
-            saved = saved.unwrap_or("-"),
-            "idempotency-key request"
+            Some(resp.status()),
+            saved,
         );
         resp
     }
 
     fn rejected(&self, problem: Problem) -> Response<BoxBody> {
-        self.finish("rejected", problem.into_response(), None)
+        self.finish(RequestOutcome::Rejected, problem.into_response(), None)
     }
 
-    fn inner_error(&self, saved: &'static str) {
-        tracing::info!(
-            target: "idem",
-            outcome = "executed",
-            inner_error = true,
-            duration_ms = self.duration_ms(),
-            key = %self.key,
-            method = %self.method,
-            path = %self.path,
-            saved,
-            "idempotency-key request: the inner service failed"
-        );
+    /// The inner service returned an error (no response).
+    fn inner_error(&self, outcome: RequestOutcome, saved: &'static str) {
+        self.ctx
+            .observe(Some((&self.scope, &self.key)), outcome, None, Some(saved));
     }
 }
 

@@ -63,11 +63,16 @@ fn one_structured_log_line_per_guarded_request() {
             svc.clone().oneshot(req(key, body)).await.unwrap();
         }
         // Unguarded: no line.
-        let get = Request::builder()
-            .uri("/read")
-            .body(AxumBody::empty())
-            .unwrap();
-        svc.clone().oneshot(get).await.unwrap();
+        let get = || {
+            Request::builder()
+                .uri("/a/./read")
+                .body(AxumBody::empty())
+                .unwrap()
+        };
+        svc.clone().oneshot(get()).await.unwrap();
+        // With the access log: one line, the path normalised.
+        let logged = app().layer(IdempotencyLayer::new(MemoryStore::new()).with_access_log(true));
+        logged.oneshot(get()).await.unwrap();
     });
     let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
     let lines: Vec<serde_json::Value> = text
@@ -81,15 +86,37 @@ fn one_structured_log_line_per_guarded_request() {
         .collect();
     assert_eq!(
         outcomes,
-        ["executed", "replayed", "mismatch", "rejected"],
+        [
+            "executed",
+            "replayed",
+            "mismatch",
+            "rejected",
+            "passthrough"
+        ],
         "{text}"
     );
     let first = &lines[0]["fields"];
     assert_eq!(first["status"], 201);
     assert_eq!(first["key"], "log-1");
+    // How `idem keys`, traces and logs name the key.
+    let hash = idem_core::key_hash(
+        &idem_core::Scope::anonymous(),
+        &idem_core::IdempotencyKey::new("log-1").unwrap(),
+    );
+    assert_eq!(first["key_hash"], hash.as_str());
+    assert_eq!(first["route"], "default");
+    assert_eq!(first["saved"], "stored");
     assert_eq!(first["method"], "POST");
     assert_eq!(first["path"], "/orders");
     assert!(first["duration_ms"].is_u64());
+    assert_eq!(lines[1]["fields"]["key_hash"], hash.as_str());
     assert_eq!(lines[2]["fields"]["status"], 422);
     assert_eq!(lines[3]["fields"]["status"], 400);
+    assert_eq!(lines[3]["fields"]["key_hash"], "-");
+    let access = &lines[4]["fields"];
+    assert_eq!(access["message"], "request");
+    assert_eq!(access["status"], 404);
+    assert_eq!(access["method"], "GET");
+    assert_eq!(access["path"], "/a/read");
+    assert!(access.get("key").is_none(), "{access}");
 }

@@ -316,7 +316,10 @@ impl Data {
     fn tick(&self) {
         let now = self.snap();
         let in_flight = self.in_flight.get();
-        let mut s = self.samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut s = self
+            .samples
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let point = point_between(&s.last, &now, unix_ms(), in_flight);
         if s.history.len() == HISTORY_POINTS {
             s.history.pop_front();
@@ -374,9 +377,8 @@ fn point_between(a: &Snap, b: &Snap, t_ms: u64, in_flight: f64) -> Point {
 /// register (a match on the name, a look at one label, an `Arc` clone) and
 /// to record (one relaxed atomic add; a histogram adds a logarithm).
 ///
-/// Install it next to the Prometheus recorder with
-/// `metrics_util::layers::FanoutBuilder`, or alone with
-/// `metrics::set_global_recorder`.
+/// [`super::metrics::install`] installs it next to the Prometheus recorder
+/// (`metrics_util::layers::FanoutBuilder`).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct StatusRecorder;
 
@@ -423,15 +425,6 @@ impl metrics::Recorder for StatusRecorder {
         };
         slot.map_or_else(Histogram::noop, |h| Histogram::from_arc(h.clone()))
     }
-}
-
-/// Installs [`recorder`] as the global recorder when none is installed yet
-/// (a gateway whose Prometheus recorder is not set up). Harmless when one
-/// is: the error is ignored.
-// Hook until admin/metrics.rs installs the fan-out of both recorders; then
-// this goes.
-pub(crate) fn install_alone() {
-    let _ = metrics::set_global_recorder(recorder());
 }
 
 /// Starts the sampler (once per process; later calls do nothing): a thread
@@ -515,8 +508,12 @@ async fn in_flight_keys(state: &AdminState) -> Value {
                 .collect();
             json!({ "supported": true, "records": records, "more": page.next.is_some(), "error": null })
         }
-        Ok(Err(e)) => json!({ "supported": true, "records": [], "error": crate::proxy::error_chain(&e) }),
-        Err(_) => json!({ "supported": true, "records": [], "error": "no answer within the store timeout" }),
+        Ok(Err(e)) => {
+            json!({ "supported": true, "records": [], "error": crate::proxy::error_chain(&e) })
+        }
+        Err(_) => {
+            json!({ "supported": true, "records": [], "error": "no answer within the store timeout" })
+        }
     }
 }
 
@@ -566,8 +563,11 @@ fn point_json(p: &Point) -> Value {
 fn metrics_json() -> Value {
     let d = &*DATA;
     let now = d.snap();
-    let (base, last, history) = {
-        let s = d.samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let (base, newest, history) = {
+        let s = d
+            .samples
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let base = s
             .recent
             .iter()
@@ -577,10 +577,10 @@ fn metrics_json() -> Value {
             .cloned()
             .unwrap_or_else(|| Snap::zero(d.started));
         let history: Vec<Value> = s.history.iter().map(point_json).collect();
-        (base, s.last.clone(), history)
+        (base, s.history.back().cloned(), history)
     };
     let window = seconds_between(base.at, now.at);
-    let current = point_between(&last, &now, unix_ms(), d.in_flight.get());
+    let rates = newest.map_or([0.0; OUTCOMES.len()], |p| p.rates);
     let mut all = [0u64; BUCKETS];
     let outcomes: Map<String, Value> = OUTCOMES
         .iter()
@@ -594,7 +594,7 @@ fn metrics_json() -> Value {
                 json!({
                     "total": now.requests[i],
                     "last_minute": minute,
-                    "rate": current.rates[i],
+                    "rate": rates[i],
                     "p50_ms": ms(quantile(&lat, 0.5)),
                     "p99_ms": ms(quantile(&lat, 0.99)),
                 }),
@@ -630,7 +630,7 @@ fn metrics_json() -> Value {
             "p95": ms(quantile(&all, 0.95)),
             "p99": ms(quantile(&all, 0.99)),
         },
-        "in_flight": current.in_flight,
+        "in_flight": d.in_flight.get(),
         "store_ops": ops,
         "history": history,
     })
@@ -820,9 +820,7 @@ mod tests {
             let after = DATA.snap();
             // Other tests in this process may record too: at least ours.
             assert!(after.requests[1] >= before.requests[1] + 3);
-            assert!(
-                after.latency[1].iter().sum::<u64>() > before.latency[1].iter().sum::<u64>()
-            );
+            assert!(after.latency[1].iter().sum::<u64>() > before.latency[1].iter().sum::<u64>());
             assert!(after.store[0].iter().sum::<u64>() > before.store[0].iter().sum::<u64>());
             assert!(after.store_errors[0] > before.store_errors[0]);
             assert!((DATA.in_flight.get() - in_flight - 1.0).abs() < 1e-9);
@@ -849,7 +847,13 @@ mod tests {
         assert!(PAGE_HTML.contains("<script src=\"/status.js\""));
         let inline = PAGE_HTML.matches("<script").count();
         assert_eq!(inline, PAGE_HTML.matches("<script src=").count());
-        for handler in ["onclick=", "onload=", "onsubmit=", "onerror=", "javascript:"] {
+        for handler in [
+            "onclick=",
+            "onload=",
+            "onsubmit=",
+            "onerror=",
+            "javascript:",
+        ] {
             assert!(!PAGE_HTML.contains(handler), "inline handler {handler}");
         }
         assert!(!PAGE_HTML.contains("style=\""));

@@ -11,7 +11,14 @@
     executed: "#1f77b4", replayed: "#2ca02c", in_flight: "#ff7f0e", mismatch: "#d62728",
     rejected: "#9467bd", passthrough: "#8c8c8c", failed_open: "#e377c2",
   };
+  const OPS_ORDER = ["begin", "complete", "release", "extend", "get"];
   const $ = (id) => document.getElementById(id);
+  // The keys of `obj` in `order` first, then any others.
+  function ordered(obj, order) {
+    const keys = order.filter((k) => k in obj);
+    for (const k of Object.keys(obj)) if (!keys.includes(k)) keys.push(k);
+    return keys;
+  }
   let timer = null;
   let lastGood = null;
 
@@ -64,7 +71,8 @@
     const left = 48, right = 8, top = 8, bottom = 20;
     const w = cssW - left - right, h = cssH - top - bottom;
     const now = opts.now;
-    const t0 = now - WINDOW_MS;
+    const span = opts.span;
+    const t0 = now - span;
     let max = 0, points = 0;
     for (const s of series) for (const [t, v] of s.values) if (v !== null && t >= t0) { max = Math.max(max, v); points++; }
     const yMax = niceMax(max || opts.minMax || 1);
@@ -82,27 +90,35 @@
     }
     ctx.textAlign = "center";
     ctx.textBaseline = "top";
-    for (const m of [15, 10, 5, 0]) {
-      const x = left + w - (w * m * 60000) / WINDOW_MS;
-      ctx.fillText(m === 0 ? "now" : "-" + m + " min", Math.min(Math.max(x, left + 14), left + w - 12), top + h + 4);
+    for (const f of [1, 2 / 3, 1 / 3, 0]) {
+      const x = left + w - w * f;
+      const ago = (span * f) / 1000;
+      const label = f === 0 ? "now" : ago >= 120 ? "-" + Math.round(ago / 60) + " min" : "-" + Math.round(ago) + " s";
+      ctx.fillText(label, Math.min(Math.max(x, left + 14), left + w - 12), top + h + 4);
     }
     // series
-    const xOf = (t) => left + (w * (t - t0)) / WINDOW_MS;
+    const xOf = (t) => left + (w * (t - t0)) / span;
     const yOf = (v) => top + h - (h * v) / yMax;
     for (const s of series) {
       ctx.strokeStyle = s.color;
       ctx.fillStyle = s.color;
       ctx.lineWidth = 2;
       ctx.beginPath();
-      let pen = false, drawn = 0, lone = null;
-      for (const [t, v] of s.values) {
-        if (t < t0 || v === null) { pen = false; continue; }
+      // A point with no drawn neighbour (a sample between two gaps) is a dot.
+      const vs = s.values.filter(([t]) => t >= t0);
+      const lone = [];
+      let pen = false;
+      for (let i = 0; i < vs.length; i++) {
+        const [t, v] = vs[i];
+        if (v === null) { pen = false; continue; }
         const x = xOf(t), y = yOf(v);
-        if (pen) ctx.lineTo(x, y); else { ctx.moveTo(x, y); lone = [x, y]; }
-        pen = true; drawn++;
+        if (pen) ctx.lineTo(x, y); else ctx.moveTo(x, y);
+        const next = vs[i + 1];
+        if (!pen && (!next || next[1] === null)) lone.push([x, y]);
+        pen = true;
       }
       ctx.stroke();
-      if (drawn === 1 && lone) { ctx.beginPath(); ctx.arc(lone[0], lone[1], 2.5, 0, 2 * Math.PI); ctx.fill(); }
+      for (const [x, y] of lone) { ctx.beginPath(); ctx.arc(x, y, 3, 0, 2 * Math.PI); ctx.fill(); }
     }
     canvas.dataset.points = String(points);
     canvas.dataset.max = String(max);
@@ -129,10 +145,11 @@
 
   // ------------------------------------------------------------ render
   function render(d) {
-    const outcomes = Object.keys(d.outcomes);
+    const outcomes = ordered(d.outcomes, Object.keys(OUTCOME_COLORS));
     let rate = 0;
     for (const o of outcomes) rate += d.outcomes[o].rate;
     setText("meta", "v" + d.version + " · store " + d.store.kind + " · up " + duration(d.uptime_s) +
+      " · charts: a sample every " + d.sample_every_s + " s, the last " + Math.round(d.history_points * d.sample_every_s / 60) + " min kept" +
       " · updated " + new Date(d.now_ms).toLocaleTimeString());
     setText("tile-rate", num(rate));
     setText("tile-replays", num(d.outcomes.replayed ? d.outcomes.replayed.last_minute : null, 0));
@@ -167,7 +184,7 @@
       cell(r, num(v.p99_ms), "p99");
       return r;
     }));
-    fillRows($("store-ops").tBodies[0], Object.keys(d.store_ops).map((op) => {
+    fillRows($("store-ops").tBodies[0], ordered(d.store_ops, OPS_ORDER).map((op) => {
       const r = document.createElement("tr");
       const v = d.store_ops[op];
       r.dataset.op = op;
@@ -198,26 +215,29 @@
 
     // charts
     const h = d.history;
+    // The x axis spans the history kept, at least 2 minutes, at most 15.
+    const oldest = h.length ? h[0].t_ms : d.now_ms;
+    const span = Math.min(WINDOW_MS, Math.max(2 * 60 * 1000, d.now_ms - oldest));
     const rateSeries = outcomes.map((o) => ({
       name: o, color: OUTCOME_COLORS[o] || "#444", values: h.map((p) => [p.t_ms, p.rates[o]]),
     })).filter((s) => s.values.some(([, v]) => v > 0) || s.name === "executed" || s.name === "replayed");
-    drawChart($("chart-rates"), rateSeries, { now: d.now_ms });
+    drawChart($("chart-rates"), rateSeries, { now: d.now_ms, span });
     legend("legend-rates", rateSeries);
     const latSeries = [
       { name: "p50", color: "#2ca02c", values: h.map((p) => [p.t_ms, p.p50_ms]) },
       { name: "p95", color: "#ff7f0e", values: h.map((p) => [p.t_ms, p.p95_ms]) },
       { name: "p99", color: "#d62728", values: h.map((p) => [p.t_ms, p.p99_ms]) },
     ];
-    drawChart($("chart-latency"), latSeries, { now: d.now_ms });
+    drawChart($("chart-latency"), latSeries, { now: d.now_ms, span });
     legend("legend-latency", latSeries);
     const inflSeries = [{ name: "in flight", color: "#ff7f0e", values: h.map((p) => [p.t_ms, p.in_flight]) }];
-    drawChart($("chart-inflight"), inflSeries, { now: d.now_ms });
+    drawChart($("chart-inflight"), inflSeries, { now: d.now_ms, span });
     legend("legend-inflight", inflSeries);
     const storeSeries = [
       { name: "store call p99, ms", color: "#1f77b4", values: h.map((p) => [p.t_ms, p.store_p99_ms]) },
       { name: "store errors / s", color: "#d62728", values: h.map((p) => [p.t_ms, p.store_errors_per_s]) },
     ];
-    drawChart($("chart-store"), storeSeries, { now: d.now_ms });
+    drawChart($("chart-store"), storeSeries, { now: d.now_ms, span });
     legend("legend-store", storeSeries);
     document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1);
   }
