@@ -83,6 +83,8 @@ command -v cargo >/dev/null 2>&1 || die "cargo is not on PATH (install Rust, or 
 
 # The end-to-end test drives the gateway from Python (standard library only).
 need_program python3 python3
+# The status page test (crates/idem-cli/tests/status_page.rs) drives headless Chromium.
+need_program chromium chromium
 
 # Servers the tests talk to (crates/idem-sql/tests/{postgres,mysql}_tests.rs,
 # crates/idem-redis/tests/). Commands and packages: /work/shared/SERVICES.md.

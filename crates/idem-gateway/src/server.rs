@@ -274,7 +274,9 @@ impl Gateway {
                 token,
                 store_timeout: config.store_options.timeout,
                 health: health.clone(),
+                status: admin::status::PageState::default(),
             });
+            admin::status::start_sampler();
             tokio::spawn(admin::serve(admin_listener, state, admin_stop.clone()));
         }
         let cap = config.connection_cap()?;

@@ -60,10 +60,9 @@ pub(crate) fn install() -> Option<&'static PrometheusHandle> {
             };
             let prometheus = builder.build_recorder();
             let handle = prometheus.handle();
-            // The status page's recorder joins here:
-            // `.add_recorder(super::status::recorder())`.
             let fanout = metrics_util::layers::FanoutBuilder::default()
                 .add_recorder(prometheus)
+                .add_recorder(super::status::recorder())
                 .build();
             if let Err(e) = metrics::set_global_recorder(fanout) {
                 tracing::warn!(error = %e, "metrics: a recorder is installed already; /metrics is off");

@@ -7,10 +7,14 @@
 //! | `GET /metrics` | no | [`metrics`]: Prometheus text exposition |
 //! | `GET /_idem/live`, `GET /_idem/ready` | no | the same probes as the public listener |
 //! | `/keys…` | yes | [`keys`]: list, show, delete records |
-//! | `GET /`, `GET /status.json` | yes | [`status`]: the live status page |
+//! | `GET /`, `GET /status.js`, `GET /status.css` | no, but 404 without a token file | [`status`]: the live status page (no data in it) |
+//! | `GET /status.json` | yes | [`status`]: the page's data |
 //!
-//! Without `--admin-token-file` the token-guarded paths answer 404, as if
-//! they did not exist. A missing or wrong token gets 401 with
+//! Without `--admin-token-file` the token-guarded paths and the status
+//! page answer 404, as if they did not exist. The page itself carries no
+//! data: a browser cannot send a bearer token on a plain navigation, so
+//! the page asks for the token and sends it on its `fetch` of
+//! `/status.json`. A missing or wrong token gets 401 with
 //! `WWW-Authenticate: Bearer` (RFC 6750 §3).
 
 pub(crate) mod auth;
@@ -48,6 +52,8 @@ pub(crate) struct AdminState {
     pub store_timeout: Duration,
     /// The readiness check, shared with the public listener.
     pub health: Arc<crate::health::Health>,
+    /// The status page's cached store probe and in-flight listing.
+    pub status: status::PageState,
 }
 
 /// Serves the admin listener until `stop` is cancelled. Connections are
@@ -112,7 +118,11 @@ async fn route(req: Request<Incoming>, state: &AdminState, peer: SocketAddr) -> 
                 Some(resp) => resp,
             }
         }
-        "/" | "/status.json" => match auth::denied(&req, state.token.as_ref()) {
+        p if status::is_page_asset(p) => match state.token {
+            Some(_) => status::asset(&req),
+            None => not_found(),
+        },
+        "/status.json" => match auth::denied(&req, state.token.as_ref()) {
             None => status::handle(req, state).await,
             Some(resp) => resp,
         },
