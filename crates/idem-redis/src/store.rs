@@ -716,12 +716,12 @@ fn listed(k: &str, reply: Value, query: &ListQuery) -> Option<ListedRecord> {
         );
         return None;
     };
-    let state_ok = match (&record.state, query.state) {
-        (_, StateFilter::Any) => true,
-        (RecordState::InProgress { .. }, StateFilter::InFlight) => true,
-        (RecordState::Completed { .. }, StateFilter::Completed) => true,
-        _ => false,
-    };
+    let state_ok = matches!(
+        (&record.state, query.state),
+        (_, StateFilter::Any)
+            | (RecordState::InProgress { .. }, StateFilter::InFlight)
+            | (RecordState::Completed { .. }, StateFilter::Completed)
+    );
     if !state_ok || query.scope.as_ref().is_some_and(|s| *s != scope) {
         return None;
     }
