@@ -26,11 +26,12 @@ use tracing_subscriber::{EnvFilter, Layer};
 #[cfg(feature = "demo")]
 const LONG_ABOUT: &str = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
      `idem gateway` is a reverse proxy that gives any HTTP service the guarantee without a change \
-     to its code; `idem demo` shows it at work in front of a sample payment service.";
+     to its code; `idem demo` shows it at work in front of a sample payment service; `idem keys` \
+     finds and frees keys in a store.";
 #[cfg(not(feature = "demo"))]
 const LONG_ABOUT: &str = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
      `idem gateway` is a reverse proxy that gives any HTTP service the guarantee without a change \
-     to its code. (This binary was built without the Cargo feature `demo`, so `idem demo` is \
+     to its code; `idem keys` finds and frees keys in a store. (This binary was built without the Cargo feature `demo`, so `idem demo` is \
      not in it.)";
 #[cfg(feature = "demo")]
 const AFTER_HELP: &str = "Start with `idem demo`. Logs go to stderr; set RUST_LOG (e.g. \

@@ -557,4 +557,124 @@ mod tests {
             Err(KeysError::Store(StoreError::Invalid(_)))
         ));
     }
+
+    /// A store without the listing capability (every method but `admin`
+    /// forwarded to a memory store).
+    #[derive(Debug, Default)]
+    struct Unlisted(idem_core::MemoryStore);
+
+    #[async_trait::async_trait]
+    impl Store for Unlisted {
+        async fn begin(
+            &self,
+            req: &idem_core::BeginRequest,
+        ) -> Result<idem_core::Begin, StoreError> {
+            self.0.begin(req).await
+        }
+        async fn complete(
+            &self,
+            lease: &idem_core::Lease,
+            response: &StoredResponse,
+            ttl: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.complete(lease, response, ttl).await
+        }
+        async fn release(&self, lease: &idem_core::Lease) -> Result<(), StoreError> {
+            self.0.release(lease).await
+        }
+        async fn extend(
+            &self,
+            lease: &idem_core::Lease,
+            lease_for: Duration,
+        ) -> Result<idem_core::Lease, StoreError> {
+            self.0.extend(lease, lease_for).await
+        }
+        async fn get(
+            &self,
+            scope: &Scope,
+            key: &IdempotencyKey,
+        ) -> Result<Option<Record>, StoreError> {
+            self.0.get(scope, key).await
+        }
+        async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+            self.0.delete(scope, key).await
+        }
+        async fn purge_expired(&self) -> Result<u64, StoreError> {
+            self.0.purge_expired().await
+        }
+    }
+
+    #[tokio::test]
+    async fn a_store_without_listing_says_so_and_still_gets_and_deletes() {
+        let store = Unlisted::default();
+        let t = Duration::from_secs(1);
+        let e = list(&store, &ListQuery::default(), t).await.unwrap_err();
+        assert!(matches!(e, KeysError::NoListing), "{e:?}");
+        assert!(e.chain().contains("cannot list"), "{}", e.chain());
+        let (scope, key) = (Scope::anonymous(), IdempotencyKey::new("k").unwrap());
+        assert_eq!(get(&store, &scope, &key, t).await.unwrap(), None);
+        assert_eq!(purge(&store, t).await.unwrap().purged, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn store_calls_are_bounded() {
+        #[derive(Debug)]
+        struct Stuck;
+        #[async_trait::async_trait]
+        impl Store for Stuck {
+            async fn begin(
+                &self,
+                _: &idem_core::BeginRequest,
+            ) -> Result<idem_core::Begin, StoreError> {
+                std::future::pending().await
+            }
+            async fn complete(
+                &self,
+                _: &idem_core::Lease,
+                _: &StoredResponse,
+                _: Duration,
+            ) -> Result<(), StoreError> {
+                std::future::pending().await
+            }
+            async fn release(&self, _: &idem_core::Lease) -> Result<(), StoreError> {
+                std::future::pending().await
+            }
+            async fn extend(
+                &self,
+                _: &idem_core::Lease,
+                _: Duration,
+            ) -> Result<idem_core::Lease, StoreError> {
+                std::future::pending().await
+            }
+            async fn get(
+                &self,
+                _: &Scope,
+                _: &IdempotencyKey,
+            ) -> Result<Option<Record>, StoreError> {
+                std::future::pending().await
+            }
+            async fn delete(&self, _: &Scope, _: &IdempotencyKey) -> Result<bool, StoreError> {
+                std::future::pending().await
+            }
+            async fn purge_expired(&self) -> Result<u64, StoreError> {
+                std::future::pending().await
+            }
+        }
+        let (scope, key) = (Scope::anonymous(), IdempotencyKey::new("k").unwrap());
+        let t = Duration::from_millis(200);
+        assert!(matches!(
+            get(&Stuck, &scope, &key, t).await,
+            Err(KeysError::Store(StoreError::Timeout { phase: Phase::Get }))
+        ));
+        assert!(matches!(
+            delete(&Stuck, &scope, &key, t).await,
+            Err(KeysError::Store(StoreError::Timeout { .. }))
+        ));
+        assert!(matches!(
+            purge(&Stuck, t).await,
+            Err(KeysError::Store(StoreError::Timeout {
+                phase: Phase::Purge
+            }))
+        ));
+    }
 }
