@@ -224,7 +224,7 @@ async fn outage_scenario(server: &mut dyn OwnServer, store: &str, kind: &str, di
     while load.answered_since(killed_at) < 6 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let (status, body) = gw.health(&c).await;
+    let (status, body) = gw.health_until(&c, 503).await;
     assert_eq!(status, 503, "health while the store is down: {body}");
     assert_eq!(body["type"], "urn:idem:problem:store-unavailable");
     let restart_at = Instant::now();
@@ -241,7 +241,7 @@ async fn outage_scenario(server: &mut dyn OwnServer, store: &str, kind: &str, di
     tokio::time::sleep(Duration::from_millis(700)).await;
     let samples = load.stop().await;
     assert!(gw.running(), "the gateway process died:\n{}", gw.logs());
-    let (status, body) = gw.health(&c).await;
+    let (status, body) = gw.health_until(&c, 200).await;
     assert_eq!((status, &body["store"]), (200, &serde_json::json!(kind)));
 
     let down: Vec<&Sample> = samples

@@ -750,3 +750,21 @@ fn redis_signal(pid: u32, sig: &str) {
         .is_ok_and(|s| s.success());
     assert!(ok, "kill {sig} {pid} failed");
 }
+
+// ----------------------------------------------------------------- health
+// (added by the "health" helper: readiness is cached for up to 1 s)
+
+impl GatewayProc {
+    /// `GET /_idem/health` polled until it answers `status` (at most 10 s):
+    /// readiness is cached for up to 1 s, so a change shows a moment late.
+    pub async fn health_until(&self, c: &reqwest::Client, status: u16) -> (u16, serde_json::Value) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (s, body) = self.health(c).await;
+            if s == status || Instant::now() >= deadline {
+                return (s, body);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
