@@ -7,7 +7,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::StoreError;
-use crate::instrument::{LEASE_LOST, SAVE_RETRIES};
+use crate::instrument::{LEASE_LOST, LEASE_TAKEOVERS, SAVE_RETRIES};
 use crate::store::{Begin, BeginRequest, Lease, Store};
 use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
 
@@ -345,8 +345,9 @@ impl<S: Store + Clone> Engine<S> {
             Begin::Mismatch => return Ok(Outcome::Mismatch),
         };
         let fence = lease.fence;
-        // TODO(issue 12, keystore): count `idem_lease_takeovers_total` here
-        // once `Lease::took_over` exists (`if lease.took_over { … }`).
+        if lease.took_over {
+            metrics::counter!(LEASE_TAKEOVERS).increment(1);
+        }
         let (value, action, lost) = self.run_watched(&lease, op).await;
         let saved = match self.settle(key, lease, action).await {
             Settled::Key(saved) => {

@@ -175,7 +175,13 @@ impl<S> InstrumentedStore<S> {
         // log lines keep their shape); the OTel layer has its own filter.
         let span = tracing::debug_span!(target: "idem", "idem.store", op = op.as_str());
         let started = Instant::now();
-        let result = call.instrument(span).await;
+        // A span no subscriber wants (the usual case without tracing
+        // export) is not entered on every poll.
+        let result = if span.is_disabled() {
+            call.await
+        } else {
+            call.instrument(span).await
+        };
         if op != StoreOp::Wait {
             self.durations[op as usize].record(started.elapsed());
         }
@@ -334,5 +340,60 @@ mod tests {
             errors.contains(&("op=release,kind=lease_lost".to_owned(), true)),
             "{errors:?}"
         );
+    }
+
+    /// A claim whose holder's lease ended is taken over (counted), and the
+    /// old holder's save then finds its lease lost (counted).
+    #[test]
+    fn takeovers_and_lost_leases_are_counted_by_the_engine() {
+        use crate::{Action, Engine, EngineConfig, ManualClock, Saved};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            let clock = ManualClock::starting_now();
+            let store = MemoryStore::new().with_clock(clock.clone());
+            let config = EngineConfig {
+                lease: Duration::from_secs(1),
+                watchdog: false,
+                ..EngineConfig::default()
+            };
+            let engine = Engine::with_config(store, config);
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let (scope, key) = (Scope::anonymous(), IdempotencyKey::new("t").unwrap());
+                let fp = Fingerprint::of(b"x");
+                let outcome = engine
+                    .execute(&scope, &key, fp, |_| async {
+                        // The holder stalls past its lease; a retry takes over.
+                        clock.advance(Duration::from_secs(2));
+                        let retry = engine
+                            .execute(&scope, &key, fp, |_| async {
+                                ((), Action::Store(StoredResponse::new(201, "second")))
+                            })
+                            .await
+                            .unwrap();
+                        assert!(matches!(retry, crate::Outcome::Executed { .. }));
+                        ((), Action::Store(StoredResponse::new(201, "first")))
+                    })
+                    .await
+                    .unwrap();
+                let crate::Outcome::Executed { saved, .. } = outcome else {
+                    panic!("not executed")
+                };
+                assert!(matches!(saved, Saved::LeaseLost), "{saved:?}");
+            });
+        });
+        let snap = snapshotter.snapshot().into_hashmap();
+        let counter = |name: &str| {
+            snap.iter()
+                .find(|(k, _)| k.key().name() == name)
+                .map(|(_, (_, _, v))| matches!(v, DebugValue::Counter(1)))
+        };
+        assert_eq!(counter(LEASE_TAKEOVERS), Some(true));
+        assert_eq!(counter(LEASE_LOST), Some(true));
+        assert_eq!(counter(SAVE_RETRIES), None);
     }
 }

@@ -704,6 +704,9 @@ impl Store for MemoryStore {
         let hash = sh.hash(k);
         let shard = sh.shard_of(hash);
         let size = entry_size(k, None);
+        // Stays set across attempts: an ended claim removed in an attempt
+        // that then found no room was still taken over.
+        let mut took_over = false;
         for attempt in 1.. {
             {
                 let mut s = sh.lock(shard);
@@ -727,6 +730,7 @@ impl Store for MemoryStore {
                             });
                         }
                         _ => {
+                            took_over |= matches!(slot, Slot::Flight(_));
                             sh.remove(&mut s, hash, |sl| sl.key() == k, false);
                         }
                     }
@@ -751,6 +755,7 @@ impl Store for MemoryStore {
                         key: req.key.clone(),
                         fence,
                         until,
+                        took_over,
                     }));
                 }
             }

@@ -49,6 +49,16 @@ pub struct Lease {
     pub fence: u64,
     /// When the lease ends, by the store's clock.
     pub until: Millis,
+    /// Whether this claim took the key over from an earlier holder whose
+    /// lease had ended without a `complete` or `release` (crash recovery:
+    /// the holder died or stalled): `true` when [`Store::begin`] found the
+    /// record in progress past its lease; `false` for a fresh claim (the key
+    /// was absent, released, deleted, purged, or completed and past its TTL).
+    ///
+    /// What the gateway counts as `idem_lease_takeovers_total`. It describes
+    /// how the claim began: [`Store::extend`] returns the lease with this
+    /// field unchanged.
+    pub took_over: bool,
 }
 
 /// The answer of [`Store::begin`]. Refusals are values, not errors.

@@ -130,7 +130,7 @@ where
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
             route: route_name(false),
-            key: LogKey::None,
+            raw_key: None,
             observer: observer.clone(),
         };
         if !options.methods.contains(req.method()) {
@@ -188,7 +188,7 @@ where
             }
             Err(e) => {
                 let log = LogCtx {
-                    key: LogKey::Raw(raw_key_for_log(req.headers())),
+                    raw_key: Some(raw_key_for_log(req.headers())),
                     ..log
                 };
                 let kind = match e {
@@ -206,16 +206,17 @@ where
             }
         };
         let scope = options.scope.scope_of(req.headers());
-        let log = LogCtx {
-            key: LogKey::Scoped(scope.clone(), key.clone()),
-            ..log
-        };
         // The key goes on in one form, the bare value: `"abc"`, `abc` and
         // `"abc";p=1` are one key here, so they must be one value to the
         // inner service (and the upstream's own unique constraint) too.
         if let Some(v) = key_header_value(&key) {
             req.headers_mut().insert(IDEMPOTENCY_KEY, v);
         }
+        let log = Arc::new(KeyedLog {
+            ctx: log,
+            scope,
+            key,
+        });
         if let Some(len) = content_length(req.headers()) {
             if len > options.max_body as u64 {
                 return ready(log.rejected(too_large(options.max_body)));
@@ -224,8 +225,6 @@ where
         let guarded = Guarded {
             engine: self.engine.clone(),
             options,
-            scope,
-            key,
             token,
             live_tokens: self.live_tokens.clone(),
             log,
@@ -242,12 +241,11 @@ where
 struct Guarded {
     engine: Engine<DynStore>,
     options: Arc<Options>,
-    scope: Scope,
-    key: IdempotencyKey,
     /// The key must be a live submit token ([`crate::Options::require_token`]).
     token: bool,
     live_tokens: Arc<TokenBudget>,
-    log: LogCtx,
+    /// The log context, with the caller's scope and the key.
+    log: Arc<KeyedLog>,
     /// The layer's budget of buffered body bytes.
     body_budget: BodyBudget,
     /// Counts this request in `idem_in_flight` until it is done.
@@ -279,7 +277,7 @@ impl Guarded {
         RB::Error: Into<BoxError>,
     {
         ResponseFuture::new(async move {
-            let log = self.log.clone();
+            let log = Arc::clone(&self.log);
             let (parts, body) = req.into_parts();
             let reservation = self.body_budget.reservation();
             let declared = content_length(&parts.headers);
@@ -342,14 +340,13 @@ impl Guarded {
         let Guarded {
             engine,
             options,
-            scope,
-            key,
             token,
             live_tokens,
             log,
             body_budget: _,
             running: _running,
         } = self;
+        let (scope, key) = (&log.scope, &log.key);
         let policy = options.policy;
         let retention_limit = options.retention_limit;
         // The inner service and the request until the engine runs them:
@@ -406,7 +403,7 @@ impl Guarded {
                 // A token cannot be checked without the store: token routes
                 // never fail open.
                 let fail_open = options.fail_open.as_deref().filter(|_| !token);
-                store_failed(&e, unsent, fail_open, &scope, &key, &log).await
+                store_failed(&e, unsent, fail_open, &log).await
             }
             Ok(Outcome::Executed { value, saved, .. }) => {
                 let saved = match &saved {
@@ -550,9 +547,7 @@ async fn store_failed<S, F, E, RB>(
     e: &StoreError,
     unsent: Option<(S, Request<BoxBody>)>,
     fail_open: Option<&dyn FailOpenGuard>,
-    scope: &Scope,
-    key: &IdempotencyKey,
-    log: &LogCtx,
+    log: &KeyedLog,
 ) -> Result<Response<BoxBody>, E>
 where
     S: Service<Request<BoxBody>, Response = Response<RB>, Future = F, Error = E>,
@@ -560,6 +555,7 @@ where
     RB: Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
+    let (scope, key) = (&log.scope, &log.key);
     let failure = StoreFailure::logged(key, e);
     match (unsent, fail_open) {
         (Some((mut inner, req)), Some(guard)) if failure == StoreFailure::Unavailable => {
@@ -1042,51 +1038,31 @@ fn raw_key_for_log(headers: &HeaderMap) -> String {
     s
 }
 
-/// The key of a guarded request, as its log line names it.
-#[derive(Debug, Clone)]
-enum LogKey {
-    /// Refused before a key was read.
-    None,
-    /// A key header that does not parse, escaped and cut to 300 bytes.
-    Raw(String),
-    /// The parsed key and the caller's scope (for `key_hash`).
-    Scoped(Scope, IdempotencyKey),
-}
-
-impl std::fmt::Display for LogKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LogKey::None => Ok(()),
-            LogKey::Raw(s) => f.write_str(s),
-            LogKey::Scoped(_, k) => f.write_str(k.as_str()),
-        }
-    }
-}
-
-/// What the one log line per guarded request needs; its outcome is
-/// recorded by [`Observer::finished`].
-#[derive(Debug, Clone)]
+/// What the one log line per request needs before its key is known; its
+/// outcome is recorded by [`Observer::finished`].
+#[derive(Debug)]
 struct LogCtx {
     started: Instant,
     method: Method,
     path: String,
     /// [`route_name`].
     route: &'static str,
-    key: LogKey,
+    /// A key header that does not parse, escaped and cut to 300 bytes.
+    raw_key: Option<String>,
     observer: Arc<Observer>,
 }
 
 impl LogCtx {
     fn observe(
         &self,
+        scoped: Option<(&Scope, &IdempotencyKey)>,
         outcome: RequestOutcome,
         status: Option<StatusCode>,
         saved: Option<&'static str>,
     ) {
-        let (key, scoped) = match &self.key {
-            LogKey::None => (None, None),
-            LogKey::Raw(raw) => (Some(raw.as_str()), None),
-            LogKey::Scoped(scope, key) => (Some(key.as_str()), Some((scope, key))),
+        let key = match scoped {
+            Some((_, key)) => Some(key.as_str()),
+            None => self.raw_key.as_deref(),
         };
         self.observer.finished(&Finished {
             outcome,
@@ -1102,6 +1078,32 @@ impl LogCtx {
         });
     }
 
+    /// Records a refusal before the key was parsed and hands it back.
+    fn rejected(&self, problem: Problem) -> Response<BoxBody> {
+        let resp = problem.into_response();
+        self.observe(None, RequestOutcome::Rejected, Some(resp.status()), None);
+        resp
+    }
+}
+
+/// The log context of a guarded request: the caller's scope and its key
+/// (owned here, shared with the run by an `Arc`).
+#[derive(Debug)]
+struct KeyedLog {
+    ctx: LogCtx,
+    scope: Scope,
+    key: IdempotencyKey,
+}
+
+impl std::ops::Deref for KeyedLog {
+    type Target = LogCtx;
+
+    fn deref(&self) -> &LogCtx {
+        &self.ctx
+    }
+}
+
+impl KeyedLog {
     /// Records the outcome and hands the response back.
     fn finish(
         &self,
@@ -1109,7 +1111,12 @@ impl LogCtx {
         resp: Response<BoxBody>,
         saved: Option<&'static str>,
     ) -> Response<BoxBody> {
-        self.observe(outcome, Some(resp.status()), saved);
+        self.ctx.observe(
+            Some((&self.scope, &self.key)),
+            outcome,
+            Some(resp.status()),
+            saved,
+        );
         resp
     }
 
@@ -1119,7 +1126,8 @@ impl LogCtx {
 
     /// The inner service returned an error (no response).
     fn inner_error(&self, outcome: RequestOutcome, saved: &'static str) {
-        self.observe(outcome, None, Some(saved));
+        self.ctx
+            .observe(Some((&self.scope, &self.key)), outcome, None, Some(saved));
     }
 }
 

@@ -2,7 +2,8 @@
 -- KEYS[1] the record (hash)   KEYS[2] the fence counter (string)
 -- ARGV[1] fingerprint (32 raw bytes)   ARGV[2] lease (ms)   ARGV[3] keep_expired (ms)
 -- Returns one of
---   {'acquired', fence, lease_until_ms}
+--   {'acquired', fence, lease_until_ms, took_over}  (took_over: 1 when an
+--     ended claim was taken over, 0 for an absent key or an ended result)
 --   {'in_flight', ms_left}
 --   {'replay', response_blob}
 --   {'mismatch'}
@@ -11,6 +12,7 @@ local rec, fkey = KEYS[1], KEYS[2]
 local fp, lease, keep = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local now, now_us = now_ms_us()
 
+local took_over = 0
 local t = key_type(rec)
 if t == 'hash' then
   local r = redis.call('HMGET', rec, 'state', 'fingerprint', 'lease_until', 'expires_at')
@@ -29,6 +31,7 @@ if t == 'hash' then
       end
       return {'mismatch'}
     end
+    took_over = 1
   elseif state == 'completed' then
     local ex = tonumber(r[4])
     if not ex then
@@ -74,4 +77,4 @@ redis.call('HSET', rec, 'state', 'in_progress', 'fingerprint', fp,
   'fence', int(fence), 'lease_until', int(lease_until))
 redis.call('PEXPIREAT', rec, int(gone_at))
 keep_fence(fkey, int(fence), gone_at, keep)
-return {'acquired', fence, lease_until}
+return {'acquired', fence, lease_until, took_over}

@@ -308,13 +308,17 @@ impl Store for RedisStore {
                     .get(2)
                     .and_then(int)
                     .and_then(|u| u64::try_from(u).ok());
-                match (fence, until) {
-                    (Some(fence), Some(until)) => Ok(Begin::Acquired(Lease {
-                        scope: req.scope.clone(),
-                        key: req.key.clone(),
-                        fence,
-                        until: Millis(until),
-                    })),
+                let took_over = items.get(3).and_then(int);
+                match (fence, until, took_over) {
+                    (Some(fence), Some(until), Some(took_over @ (0 | 1))) => {
+                        Ok(Begin::Acquired(Lease {
+                            scope: req.scope.clone(),
+                            key: req.key.clone(),
+                            fence,
+                            until: Millis(until),
+                            took_over: took_over == 1,
+                        }))
+                    }
                     _ => Err(StoreError::corrupt(
                         P,
                         format!("bad answer from begin.lua: {items:?}"),

@@ -244,13 +244,18 @@ impl Statements {
             ),
             // ? scope, key, fingerprint, placeholder, lease; fingerprint,
             // placeholder, lease.
+            //
+            // A takeover reports the state it replaced through
+            // LAST_INSERT_ID(expr) (the table has no AUTO_INCREMENT, so the
+            // statement reports nothing else): state + 1, so 1 an ended
+            // claim (`took_over`), 2 an ended result; a plain insert reports 0.
             claim: format!(
                 "INSERT INTO {records} (scope, `key`, fingerprint, state, fence, deadline, response) \
                  VALUES (?, ?, ?, 0, ?, {NOW_MS} + ?, NULL) \
                  ON DUPLICATE KEY UPDATE \
                    fingerprint = IF({expired}, ?, fingerprint), \
                    response = IF({expired}, NULL, response), \
-                   state = IF({expired}, 0, state), \
+                   state = IF({expired}, 0 * LAST_INSERT_ID(state + 1), state), \
                    fence = IF({expired}, ?, fence), \
                    deadline = IF({expired}, {NOW_MS} + ?, deadline)"
             ),
@@ -536,7 +541,7 @@ impl MySqlStore {
         let lease = common::span_ms(req.lease);
         let claimed = async {
             let mut tx = conn.begin().await?;
-            sqlx::query(&sql.claim)
+            let replaced = sqlx::query(&sql.claim)
                 .bind(scope)
                 .bind(key)
                 .bind(fp)
@@ -546,7 +551,9 @@ impl MySqlStore {
                 .bind(placeholder)
                 .bind(lease)
                 .execute(&mut *tx)
-                .await?;
+                .await?
+                .last_insert_id();
+            let took_over = replaced == 1;
             // We hold the row's lock now, whether it is ours or not.
             let fence = sqlx::query(&sql.next_fence)
                 .execute(&mut *tx)
@@ -566,12 +573,14 @@ impl MySqlStore {
                         Some(row) => Claim::Acquired {
                             fence,
                             until: row.try_get("deadline")?,
+                            took_over,
                         },
                         None => Claim::Vanished,
                     },
                     until => Claim::Acquired {
                         fence,
                         until: i64::try_from(until).unwrap_or(i64::MAX),
+                        took_over,
                     },
                 }
             } else {
@@ -586,11 +595,16 @@ impl MySqlStore {
         .await
         .map_err(|e| classify(P, e))?;
         Ok(match claimed {
-            Claim::Acquired { fence, until } => Step::Done(Begin::Acquired(Lease {
+            Claim::Acquired {
+                fence,
+                until,
+                took_over,
+            } => Step::Done(Begin::Acquired(Lease {
                 scope: req.scope.clone(),
                 key: req.key.clone(),
                 fence,
                 until: millis(until),
+                took_over,
             })),
             // Read under the lock the claim's upsert held, so this is the
             // version that stopped the takeover: live when it was checked,
@@ -631,8 +645,13 @@ async fn locked_row(
 /// What a claim transaction found.
 #[derive(Debug)]
 enum Claim {
-    /// The key is ours with this fence and lease end (ms).
-    Acquired { fence: u64, until: i64 },
+    /// The key is ours with this fence and lease end (ms), taken over
+    /// from an ended claim or not.
+    Acquired {
+        fence: u64,
+        until: i64,
+        took_over: bool,
+    },
     /// The record was live: its row, read under our lock.
     Existing(MySqlRow),
     /// The row disappeared under our lock (cannot happen with InnoDB; start over).

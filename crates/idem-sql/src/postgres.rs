@@ -300,6 +300,16 @@ impl Statements {
             // * Time is the database's: the DO UPDATE re-reads the clock after
             //   any lock wait, so a wait neither lets a live lease be taken
             //   over nor shortens the new lease.
+            // * `took_over` (an ended claim was taken over, not a fresh key or
+            //   an ended result replaced) needs the row the claim replaced:
+            //   `xmax <> 0` on the returned row says the upsert updated rather
+            //   than inserted, and `cur` says what it replaced. When the row
+            //   changed between the snapshot and the claim (another claim
+            //   came and ended in that instant), `cur` is stale: a row that
+            //   appeared meanwhile was inserted, so in progress (counted as
+            //   taken over); a result that turned into an ended claim in that
+            //   window is missed. Only a lease or TTL shorter than that race
+            //   window can make it wrong.
             begin: format!(
                 "WITH cur AS ( \
                    SELECT fingerprint, state, fence, deadline, response FROM {records} \
@@ -316,13 +326,16 @@ impl Statements {
                      SET fingerprint = EXCLUDED.fingerprint, state = 0, fence = EXCLUDED.fence, \
                          deadline = {NOW_MS} + $4, response = NULL \
                      WHERE r.deadline <= {NOW_MS} \
-                   RETURNING r.fingerprint, r.state, r.fence, r.deadline \
+                   RETURNING r.fingerprint, r.state, r.fence, r.deadline, \
+                             (r.xmax <> 0) AS replaced \
                  ) \
                  SELECT true AS claimed, fingerprint, state, fence, deadline, \
-                        NULL::bytea AS response, (SELECT now_ms FROM clk) AS now_ms FROM claim \
+                        NULL::bytea AS response, (SELECT now_ms FROM clk) AS now_ms, \
+                        (replaced AND COALESCE((SELECT state = 0 FROM cur), true)) AS took_over \
+                 FROM claim \
                  UNION ALL \
                  SELECT false, fingerprint, state, fence, deadline, response, \
-                        (SELECT now_ms FROM clk) FROM cur"
+                        (SELECT now_ms FROM clk), false FROM cur"
             ),
             // $1 ttl (ms), $2 response, $3 scope, $4 key, $5 fence, $6 channel, $7 payload.
             complete: finish(
@@ -685,6 +698,7 @@ impl Store for PostgresStore {
                         key: req.key.clone(),
                         fence: raw.fence(P)?,
                         until: raw.until(),
+                        took_over: column(row, "took_over", P)?,
                     }));
                 }
                 current = Some((raw, now_of(row, P)?));

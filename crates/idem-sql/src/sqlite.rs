@@ -17,7 +17,8 @@ use sqlx::sqlite::{
 use sqlx::SqliteConnection;
 
 use crate::common::{
-    in_batches, lease_kept, millis, poll_while_claimed, retry, to_i64, RawRecord, PURGE_BATCH,
+    in_batches, lease_kept, millis, poll_while_claimed, retry, to_i64, RawRecord, IN_PROGRESS,
+    PURGE_BATCH,
 };
 
 /// The embedded schema migrations (`migrations/sqlite` in this crate).
@@ -335,12 +336,16 @@ impl Store for SqliteStore {
         // Read the time once the lock is held, so waiting for it does not
         // shorten the new lease.
         let now = self.now();
+        // An ended claim (in progress past its lease) is taken over; an
+        // ended result is simply replaced.
+        let mut took_over = false;
         if let Some(row) = read_record(&mut tx, &req.scope, &req.key, P).await? {
             if row.is_live(now) {
                 let answer = row.answer(req, now, P);
                 tx.rollback().await.map_err(unavailable(P))?;
                 return answer;
             }
+            took_over = row.state == IN_PROGRESS;
         }
         let fence: i64 = sqlx::query_scalar(
             "INSERT INTO idem_fence (id, last) VALUES (1, ?1) \
@@ -374,6 +379,7 @@ impl Store for SqliteStore {
             key: req.key.clone(),
             fence,
             until: millis(until),
+            took_over,
         }))
     }
 

@@ -36,7 +36,7 @@
 //!
 //! | module | what it checks |
 //! |---|---|
-//! | [`store_checks`] | the key protocol: claims, concurrency, replay, mismatch, release, lease expiry (CASES A3, B1, B2), stale fences, extend, TTL expiry (F1), get/delete, purge, fences, `wait_for_change`, odd keys and scopes (E3) |
+//! | [`store_checks`] | the key protocol: claims, concurrency, replay, mismatch, release, lease expiry (CASES A3, B1, B2) and `Lease::took_over`, stale fences, extend, TTL expiry (F1), get/delete, purge, fences, `wait_for_change`, odd keys and scopes (E3) |
 //! | [`engine_checks`] | [`Engine`](idem_core::Engine) over the store: once under concurrency (A1), release then retry (C1), cancellation with `Hold` and `Release`, failed saves hold the key, the watchdog, wait mode |
 //! | [`token_checks`] | submit tokens ([`idem_core::token`]): issue, use, replay, one run under 16 concurrent uses (I1), unknown / expired / other-scope tokens rejected, reuse after the TTL replayed |
 //! | [`faulty`] | [`FaultyStore`]: wraps any store; per operation it fails, hangs or delays, always or the next `n` calls, counting calls |

@@ -30,6 +30,7 @@ macro_rules! conformance_tests {
                 mismatch_in_flight_and_after_completion,
                 release_then_reclaim,
                 lease_expiry_takeover_by_one,
+                took_over_only_after_an_ended_claim,
                 sub_second_lease,
                 stale_fence_rejected,
                 late_complete_without_takeover_is_kept,

@@ -201,6 +201,60 @@ pub async fn lease_expiry_takeover_by_one<H: Harness>(h: &H) {
     assert!(third.fence > winner.fence);
 }
 
+/// [`Lease::took_over`] is `true` only for a claim that took the key over
+/// from a holder whose lease had ended (crash recovery): `false` for a
+/// fresh key, after a release, after a delete and after a result's TTL
+/// ended; `extend` keeps the value of the lease it renews.
+pub async fn took_over_only_after_an_ended_claim<H: Harness>(h: &H) {
+    let store = h.store();
+    let (scope, key, r) = fresh_req("took-over", SEC);
+    let fresh = acquire(&store, &r).await;
+    assert!(!fresh.took_over, "a fresh key is not taken over: {fresh:?}");
+    store.release(&fresh).await.expect("release");
+    let after_release = acquire(&store, &r).await;
+    assert!(
+        !after_release.took_over,
+        "a claim after a release is not a takeover"
+    );
+    // The holder "crashes": its lease ends without complete or release.
+    h.advance(ms(1200)).await;
+    let taken = acquire(&store, &r).await;
+    assert!(
+        taken.took_over,
+        "a claim of a key whose holder's lease ended is a takeover: {taken:?}"
+    );
+    assert!(taken.fence > after_release.fence);
+    let renewed = store.extend(&taken, SEC).await.expect("extend");
+    assert!(renewed.took_over, "extend keeps took_over of the claim");
+    // An ended result is not a crashed holder.
+    store
+        .complete(&renewed, &response("done"), SEC)
+        .await
+        .expect("complete");
+    h.advance(ms(1200)).await;
+    let after_ttl = acquire(&store, &r).await;
+    assert!(
+        !after_ttl.took_over,
+        "a claim after the result's TTL ended is not a takeover"
+    );
+    assert!(store.delete(&scope, &key).await.expect("delete"));
+    let after_delete = acquire(&store, &r).await;
+    assert!(
+        !after_delete.took_over,
+        "a claim after a delete is not a takeover"
+    );
+    // A second key, taken over by exactly one of several racing callers:
+    // only the winner says so.
+    let (_, _, r2) = fresh_req("took-over-race", SEC);
+    acquire(&store, &r2).await;
+    h.advance(ms(1200)).await;
+    let winner = one_winner(race_begins(&store, &r2, 8).await, SEC);
+    assert!(
+        winner.took_over,
+        "the takeover winner reports it: {winner:?}"
+    );
+}
+
 /// CASES B2: a lease of 1,500 ms is 1.5 s — held at 1,100 ms (so not cut
 /// to 1 s), free at 1,600 ms (so not read as 1,500 s).
 ///
