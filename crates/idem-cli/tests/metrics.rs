@@ -126,7 +126,14 @@ async fn known_traffic_gives_exact_counts() {
         assert_eq!(outcome(o), 0.0, "{o}");
     }
     // Every outcome's duration, once per request.
-    for o in ["executed", "replayed", "mismatch", "in_flight", "passthrough", "rejected"] {
+    for o in [
+        "executed",
+        "replayed",
+        "mismatch",
+        "in_flight",
+        "passthrough",
+        "rejected",
+    ] {
         assert_eq!(
             count(&s, "idem_request_duration_seconds", &[("outcome", o)]),
             outcome(o),
@@ -170,7 +177,10 @@ async fn known_traffic_gives_exact_counts() {
         .filter(|l| l.contains("idempotency-key request") && l.contains("outcome=\"executed\""))
         .count();
     assert_eq!(executed, 4, "{logs}");
-    assert!(logs.contains("key_hash=") && logs.contains("route=\"default\""), "{logs}");
+    assert!(
+        logs.contains("key_hash=") && logs.contains("route=\"default\""),
+        "{logs}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

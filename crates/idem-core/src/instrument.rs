@@ -155,7 +155,8 @@ impl<S> InstrumentedStore<S> {
     pub fn new(inner: S) -> Self {
         Self {
             inner,
-            durations: StoreOp::ALL.map(|op| metrics::histogram!(STORE_DURATION, "op" => op.as_str())),
+            durations: StoreOp::ALL
+                .map(|op| metrics::histogram!(STORE_DURATION, "op" => op.as_str())),
         }
     }
 

@@ -19,10 +19,12 @@ use crate::body::{full, Prefixed};
 use crate::budget::{BodyBudget, Reservation};
 use crate::fingerprint::request_fingerprint;
 use crate::future::ResponseFuture;
-use crate::observe::{route_name, token_rejected, Finished, Observer, RequestOutcome, TokenRejection};
 use crate::key::{
     key_from_headers, key_header_value, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS,
     IDEMPOTENT_REPLAYED,
+};
+use crate::observe::{
+    route_name, token_rejected, Finished, Observer, RequestOutcome, TokenRejection,
 };
 use crate::options::{FailOpenGuard, Options};
 use crate::path::{normalize_path, PathError};
@@ -565,9 +567,17 @@ where
                 "FAIL-OPEN REFUSED: the idempotency store is unavailable, but this key was seen \
                  claimed or completed moments ago; forwarding it would run it twice. Answering 503."
             );
-            Ok(log.finish(RequestOutcome::StoreError, failure.problem().into_response(), None))
+            Ok(log.finish(
+                RequestOutcome::StoreError,
+                failure.problem().into_response(),
+                None,
+            ))
         }
-        _ => Ok(log.finish(RequestOutcome::StoreError, failure.problem().into_response(), None)),
+        _ => Ok(log.finish(
+            RequestOutcome::StoreError,
+            failure.problem().into_response(),
+            None,
+        )),
     }
 }
 

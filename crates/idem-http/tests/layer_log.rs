@@ -86,7 +86,13 @@ fn one_structured_log_line_per_guarded_request() {
         .collect();
     assert_eq!(
         outcomes,
-        ["executed", "replayed", "mismatch", "rejected", "passthrough"],
+        [
+            "executed",
+            "replayed",
+            "mismatch",
+            "rejected",
+            "passthrough"
+        ],
         "{text}"
     );
     let first = &lines[0]["fields"];
@@ -113,5 +119,4 @@ fn one_structured_log_line_per_guarded_request() {
     assert_eq!(access["method"], "GET");
     assert_eq!(access["path"], "/a/read");
     assert!(access.get("key").is_none(), "{access}");
-
 }

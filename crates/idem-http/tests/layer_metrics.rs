@@ -91,37 +91,111 @@ fn every_outcome_is_counted_once() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let svc = app().layer(IdempotencyLayer::new(MemoryStore::new()).with_require_token(["/pay"]));
+        let svc =
+            app().layer(IdempotencyLayer::new(MemoryStore::new()).with_require_token(["/pay"]));
         let send = |req| svc.clone().oneshot(req);
-        assert_eq!(send(post_req("/orders", Some("m-1"), "a")).await.unwrap().status(), 201);
-        assert_eq!(send(post_req("/orders", Some("m-2"), "a")).await.unwrap().status(), 201);
-        assert_eq!(send(post_req("/orders", Some("m-1"), "a")).await.unwrap().status(), 201);
-        assert_eq!(send(post_req("/orders", Some("m-1"), "b")).await.unwrap().status(), 422);
-        assert_eq!(send(post_req("/broken", Some("m-3"), "a")).await.unwrap().status(), 503);
-        assert_eq!(send(post_req("/orders", Some(""), "a")).await.unwrap().status(), 400);
-        assert_eq!(send(post_req("/pay", None, "a")).await.unwrap().status(), 428);
-        assert_eq!(send(post_req("/pay", Some("tok_nope"), "a")).await.unwrap().status(), 403);
-        assert_eq!(send(post_req("/orders", None, "a")).await.unwrap().status(), 201);
-        let read = Request::builder().uri("/read").body(AxumBody::empty()).unwrap();
+        assert_eq!(
+            send(post_req("/orders", Some("m-1"), "a"))
+                .await
+                .unwrap()
+                .status(),
+            201
+        );
+        assert_eq!(
+            send(post_req("/orders", Some("m-2"), "a"))
+                .await
+                .unwrap()
+                .status(),
+            201
+        );
+        assert_eq!(
+            send(post_req("/orders", Some("m-1"), "a"))
+                .await
+                .unwrap()
+                .status(),
+            201
+        );
+        assert_eq!(
+            send(post_req("/orders", Some("m-1"), "b"))
+                .await
+                .unwrap()
+                .status(),
+            422
+        );
+        assert_eq!(
+            send(post_req("/broken", Some("m-3"), "a"))
+                .await
+                .unwrap()
+                .status(),
+            503
+        );
+        assert_eq!(
+            send(post_req("/orders", Some(""), "a"))
+                .await
+                .unwrap()
+                .status(),
+            400
+        );
+        assert_eq!(
+            send(post_req("/pay", None, "a")).await.unwrap().status(),
+            428
+        );
+        assert_eq!(
+            send(post_req("/pay", Some("tok_nope"), "a"))
+                .await
+                .unwrap()
+                .status(),
+            403
+        );
+        assert_eq!(
+            send(post_req("/orders", None, "a")).await.unwrap().status(),
+            201
+        );
+        let read = Request::builder()
+            .uri("/read")
+            .body(AxumBody::empty())
+            .unwrap();
         assert_eq!(send(read).await.unwrap().status(), 200);
         // A duplicate while the original runs: 409.
         let first = tokio::spawn(send(post_req("/slow", Some("m-4"), "a")));
         tokio::time::sleep(Duration::from_millis(100)).await;
         taken.take(&snap);
         assert_eq!(taken.value("idem_in_flight", None), 1.0);
-        assert_eq!(send(post_req("/slow", Some("m-4"), "a")).await.unwrap().status(), 409);
+        assert_eq!(
+            send(post_req("/slow", Some("m-4"), "a"))
+                .await
+                .unwrap()
+                .status(),
+            409
+        );
         assert_eq!(first.await.unwrap().unwrap().status(), 201);
 
         // A store that is down: 503, or forwarded with fail-open.
         let down = FaultyStore::new(MemoryStore::new());
         down.set_each(&Op::ALL, Fault::Unavailable);
         let down = Arc::new(down);
-        let closed = app().layer(IdempotencyLayer::from_parts(down.clone(), Default::default()));
-        assert_eq!(closed.oneshot(post_req("/orders", Some("d-1"), "a")).await.unwrap().status(), 503);
+        let closed = app().layer(IdempotencyLayer::from_parts(
+            down.clone(),
+            Default::default(),
+        ));
+        assert_eq!(
+            closed
+                .oneshot(post_req("/orders", Some("d-1"), "a"))
+                .await
+                .unwrap()
+                .status(),
+            503
+        );
         let open = app().layer(
             IdempotencyLayer::from_parts(down, Default::default()).with_fail_open(Arc::new(Allow)),
         );
-        assert_eq!(open.oneshot(post_req("/orders", Some("d-2"), "a")).await.unwrap().status(), 201);
+        assert_eq!(
+            open.oneshot(post_req("/orders", Some("d-2"), "a"))
+                .await
+                .unwrap()
+                .status(),
+            201
+        );
     });
     taken.take(&snap);
     let value = |name: &str, label: Option<(&str, &str)>| taken.value(name, label);
@@ -137,11 +211,20 @@ fn every_outcome_is_counted_once() {
     assert_eq!(outcome("failed_open"), 1.0);
     assert_eq!(value("idem_requests_total", None), 14.0);
     assert_eq!(
-        value("idem_request_duration_seconds", Some(("outcome", "executed"))),
+        value(
+            "idem_request_duration_seconds",
+            Some(("outcome", "executed"))
+        ),
         3.0
     );
-    assert_eq!(value("idem_tokens_rejected_total", Some(("reason", "missing"))), 1.0);
-    assert_eq!(value("idem_tokens_rejected_total", Some(("reason", "unknown"))), 1.0);
+    assert_eq!(
+        value("idem_tokens_rejected_total", Some(("reason", "missing"))),
+        1.0
+    );
+    assert_eq!(
+        value("idem_tokens_rejected_total", Some(("reason", "unknown"))),
+        1.0
+    );
     assert_eq!(value("idem_in_flight", None), 0.0);
     // begin per keyed request that reached the store (m-1 ×3, m-2, m-3,
     // m-4 ×2, the token check's begin, d-1, d-2).
