@@ -357,7 +357,7 @@ impl Guarded {
         };
         let outcome = if token {
             let outcome = SubmitTokens::from_engine(engine)
-                .execute(&scope, key.as_str(), fingerprint, op)
+                .execute(scope, key.as_str(), fingerprint, op)
                 .await;
             // A token stops counting against the budget once it is used up
             // (its result stored, or found used) or the store no longer
@@ -373,7 +373,7 @@ impl Guarded {
                             | Outcome::Mismatch
                     ))
             ) {
-                live_tokens.consume(&scope, key.as_str());
+                live_tokens.consume(scope, key.as_str());
             }
             match outcome {
                 Ok(TokenOutcome::Keyed(outcome)) => Ok(outcome),
@@ -384,7 +384,7 @@ impl Guarded {
                 Err(e) => Err(e),
             }
         } else {
-            engine.execute(&scope, &key, fingerprint, op).await
+            engine.execute(scope, key, fingerprint, op).await
         };
         match outcome {
             Err(e) => {
