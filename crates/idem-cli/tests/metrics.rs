@@ -231,3 +231,56 @@ async fn a_store_outage_is_counted_as_store_errors() {
     );
     assert_eq!(up.total(), 1, "the refused request did not run");
 }
+
+/// Issue 12 item 6: a 502 where nothing reached the upstream is counted
+/// and logged as `released`, never `executed`; `--access-log` logs the
+/// requests without a key too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_upstream_is_released_and_the_access_log_logs_passthroughs() {
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing listens there.
+    let upstream = format!("http://{}", free_addr());
+    let gw = GatewayProc::start(
+        dir.path(),
+        "metrics-unreachable",
+        &[
+            "--upstream",
+            &upstream,
+            "--store",
+            "memory://",
+            "--access-log",
+        ],
+    )
+    .await;
+    let c = reqwest::Client::new();
+    let got = pay(&c, &gw.url("/pay"), "never-sent").await.unwrap();
+    assert_eq!(got.status, 502, "{got:?}");
+    assert_eq!(got.problem_type(), "urn:idem:problem:upstream-unreachable");
+    let r = c.get(gw.url("/orders/./7")).send().await.unwrap();
+    assert_eq!(r.status(), 502);
+
+    let s = scrape(&c, &gw).await;
+    let outcome = |o: &str| value(&s, "idem_requests_total", &[("outcome", o)]);
+    assert_eq!(outcome("released"), 1.0);
+    assert_eq!(outcome("executed"), 0.0);
+    assert_eq!(outcome("passthrough"), 1.0);
+    let logs = gw.logs();
+    let lines: Vec<&str> = logs.lines().filter(|l| l.contains(" idem: ")).collect();
+    assert!(
+        lines.iter().any(|l| l.contains("idempotency-key request")
+            && l.contains("outcome=\"released\"")
+            && l.contains("status=502")
+            && l.contains("key=\"never-sent\"")),
+        "{logs}"
+    );
+    assert!(!logs.contains("outcome=\"executed\""), "{logs}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("request outcome=\"passthrough\"")
+                && l.contains("method=GET")
+                && l.contains("path=/orders/7")
+                && l.contains("status=502")),
+        "{logs}"
+    );
+}

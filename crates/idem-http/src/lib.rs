@@ -74,6 +74,16 @@
 //! | 503 `store-unavailable`, `store-full` | the store failed before the run (the inner service is not called) |
 //! | the inner service's + `Idempotency-Status: unprotected` | fail-open ([`Options::fail_open`], off by default): the store was unavailable before the run and the [`FailOpenGuard`] allowed the key; nothing is recorded |
 //!
+//! ## Metrics and logs
+//!
+//! The layer counts every request by [`RequestOutcome`] and times it, its
+//! store calls ([`idem_core::InstrumentedStore`]) and its in-flight
+//! requests through the [`metrics`](https://docs.rs/metrics) facade, and
+//! writes one log line per guarded request (target `idem`: outcome, status,
+//! duration, key, `key_hash`, method, path, route); see [`observe`] for the
+//! series and fields. Install your metrics recorder before building the
+//! layer.
+//!
 //! ## Example (axum 0.8)
 //!
 //! ```no_run

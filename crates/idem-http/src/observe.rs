@@ -1,7 +1,7 @@
 //! The bookkeeping of a finished request, in one place: its metrics, its
 //! one log line, and the fields of the current trace span.
 //!
-//! The layer calls [`Observer::finished`] once per request it handled
+//! The layer calls its observer once per request it handled
 //! (guarded or passed through). Series, recorded through the [`metrics`]
 //! facade (whatever recorder the process installed; none: a branch each):
 //!
