@@ -104,7 +104,7 @@ impl RequestOutcome {
     /// ```
     /// assert_eq!(idem_http::RequestOutcome::InFlight.as_str(), "in_flight");
     /// ```
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             RequestOutcome::Executed => "executed",
             RequestOutcome::Released => "released",

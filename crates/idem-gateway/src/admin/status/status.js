@@ -8,8 +8,9 @@
   const WINDOW_MS = 15 * 60 * 1000;
   const TOKEN_KEY = "idem-admin-token";
   const OUTCOME_COLORS = {
-    executed: "#1f77b4", replayed: "#2ca02c", in_flight: "#ff7f0e", mismatch: "#d62728",
-    rejected: "#9467bd", passthrough: "#8c8c8c", failed_open: "#e377c2",
+    executed: "#1f77b4", released: "#bcbd22", replayed: "#2ca02c", in_flight: "#ff7f0e",
+    mismatch: "#d62728", rejected: "#9467bd", store_error: "#8c564b", passthrough: "#8c8c8c",
+    failed_open: "#e377c2",
   };
   const OPS_ORDER = ["begin", "complete", "release", "extend", "get"];
   const $ = (id) => document.getElementById(id);
