@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use idem_core::admin::{ListQuery, StateFilter};
-use idem_core::{key_hash, IdempotencyKey, RecordState, Scope};
+use idem_core::{key_hash, RecordState};
 use idem_http::BoxBody;
 use metrics::{
     Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata,
@@ -456,26 +456,21 @@ pub(crate) struct PageState {
     cached: tokio::sync::Mutex<Option<(Instant, Value, Value)>>,
 }
 
-/// A cheap read of a record that does not exist, bounded by the store
-/// timeout: `ready` of the JSON.
+/// The gateway's readiness check (the same canary write and 1 s cache as
+/// `/_idem/ready`): `ready` of the JSON.
 async fn probe(state: &AdminState) -> Value {
     let started = Instant::now();
     let checked_ms = unix_ms();
-    let (Ok(scope), Ok(key)) = (Scope::new("_idem"), IdempotencyKey::new("_idem-status")) else {
-        return json!({ "ok": false, "detail": "internal: bad probe key", "checked_ms": checked_ms, "probe_ms": null });
+    let (ok, reason, detail) = match state.health.readiness().await {
+        crate::health::Readiness::Ready => (true, None, None),
+        crate::health::Readiness::NotReady { reason, detail } => {
+            (false, Some(reason.as_str()), Some(detail))
+        }
     };
-    let result = tokio::time::timeout(state.store_timeout, state.store.get(&scope, &key)).await;
     let probe_ms = started.elapsed().as_secs_f64() * 1e3;
-    let detail = match result {
-        Ok(Ok(_)) => None,
-        Ok(Err(e)) => Some(crate::proxy::error_chain(&e)),
-        Err(_) => Some(format!(
-            "no answer within {}",
-            humantime::format_duration(state.store_timeout)
-        )),
-    };
     json!({
-        "ok": detail.is_none(),
+        "ok": ok,
+        "reason": reason,
         "detail": detail,
         "checked_ms": checked_ms,
         "probe_ms": probe_ms,
