@@ -19,7 +19,6 @@
 //!  Completed --expires_at passed--> (absent)
 //! ```
 
-pub mod admin;
 mod clock;
 mod engine;
 mod error;
@@ -46,5 +45,6 @@ pub use instrument::InstrumentedStore;
 pub use key::{IdempotencyKey, Scope, MAX_KEY_LEN};
 pub use memory::{MemoryLimits, MemoryStore};
 pub use response::StoredResponse;
+pub use store::admin;
 pub use store::{Begin, BeginRequest, DynStore, Lease, Record, RecordState, Store};
 pub use url::RedactedUrl;

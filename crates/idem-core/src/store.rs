@@ -11,6 +11,8 @@
 //! Every step is ONE atomic operation in the store (one transaction, one
 //! conditional statement, one Lua script) — never a read followed by a write.
 
+pub mod admin;
+
 use std::time::Duration;
 
 use async_trait::async_trait;

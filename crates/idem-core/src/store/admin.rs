@@ -13,9 +13,9 @@
 
 use async_trait::async_trait;
 
+use super::Record;
 use crate::clock::Millis;
 use crate::error::StoreError;
-use crate::store::Record;
 use crate::{IdempotencyKey, Scope};
 
 /// Most records one [`KeyAdmin::list`] call returns: 1,000.
