@@ -211,6 +211,21 @@ fn store_failed(store: &StoreArgs, e: &KeysError) -> Failed {
     Failed(ExitCode::FAILURE)
 }
 
+/// `url` with `idem_migrate=false` added for PostgreSQL and MySQL unless
+/// it names `idem_migrate`: an operator's command never creates a table (a
+/// mistyped `idem_table` is an error, not an empty listing).
+fn never_migrate(url: &str) -> String {
+    let lower = url.to_ascii_lowercase();
+    let sql = ["postgres:", "postgresql:", "mysql:", "mariadb:"]
+        .iter()
+        .any(|s| lower.starts_with(s));
+    if !sql || lower.contains("idem_migrate=") {
+        return url.to_owned();
+    }
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}idem_migrate=false")
+}
+
 /// Opens the store as the gateway does.
 async fn open(store: &StoreArgs) -> Result<DynStore, Failed> {
     let url = store.store.trim();
@@ -224,6 +239,14 @@ async fn open(store: &StoreArgs) -> Result<DynStore, Failed> {
             )));
         }
     }
+    if url.to_ascii_lowercase().starts_with("memory:") {
+        return Err(usage(
+            "a memory:// store lives inside the gateway process that uses it; this command \
+             would open a new, empty one. Use the gateway's admin API instead: GET /keys on \
+             its --admin-listen address (see docs/KEYS.md)",
+        ));
+    }
+    let url = &never_migrate(url);
     let options = StoreOptions::default()
         .with_timeout(store.store_timeout)
         .with_pool_size(2);

@@ -294,7 +294,7 @@ async fn run_gateway(args: GatewayArgs) -> ExitCode {
         Ok(g) => g,
         Err(e) => {
             eprintln!("idem gateway: cannot start: {}", chain(&e));
-            return ExitCode::FAILURE;
+            return exit_code(&e);
         }
     };
     match gateway.serve(idem_gateway::shutdown_signal()).await {
@@ -304,8 +304,18 @@ async fn run_gateway(args: GatewayArgs) -> ExitCode {
         }
         Err(e) => {
             eprintln!("idem gateway: {}", chain(&e));
-            ExitCode::FAILURE
+            exit_code(&e)
         }
+    }
+}
+
+/// 2 for a configuration the gateway refuses (found at bind or start: an
+/// unusable `--admin-token-file`, a file-descriptor limit that leaves no
+/// room), 1 for anything else (an unreachable store, a taken port).
+fn exit_code(e: &idem_gateway::GatewayError) -> ExitCode {
+    match e {
+        idem_gateway::GatewayError::Config(_) => ExitCode::from(2),
+        _ => ExitCode::FAILURE,
     }
 }
 

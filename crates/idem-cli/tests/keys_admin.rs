@@ -577,30 +577,6 @@ async fn postgres_stuck_key_is_listed_shown_deleted_and_retried() {
     stuck_keys_are_found_and_freed(&store, "postgres").await;
 }
 
-/// `mysql://user[:pw]@host[:port]/db` → `mariadb` client arguments.
-fn mariadb_args(url: &str) -> Vec<String> {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let rest = rest.split('?').next().unwrap_or(rest);
-    let (auth, hostdb) = rest.rsplit_once('@').unwrap_or(("root", rest));
-    let (user, pw) = auth.split_once(':').unwrap_or((auth, ""));
-    let (hostport, db) = hostdb.split_once('/').unwrap_or((hostdb, "test"));
-    let (host, port) = hostport.split_once(':').unwrap_or((hostport, "3306"));
-    let mut v = vec![
-        format!("--host={host}"),
-        format!("--port={port}"),
-        format!("--user={user}"),
-    ];
-    if !pw.is_empty() {
-        v.push(format!("--password={pw}"));
-    }
-    v.push(if db.is_empty() {
-        "test".into()
-    } else {
-        db.to_owned()
-    });
-    v
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_stuck_key_is_listed_shown_deleted_and_retried() {
     let base = MYSQL.require();
@@ -743,6 +719,8 @@ async fn memory_admin_api_lists_shows_and_frees_a_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_keys_reports_bad_flags_and_unreachable_stores() {
+    // A store that opens without creating anything, for the checks a store makes.
+    let redis_store = with_param(&REDIS.require(), "idem_prefix", &unique("keys_cur"));
     let dir = tempfile::tempdir().unwrap();
     let missing = format!("sqlite://{}", dir.path().join("nope.db").display());
     for (args, code, says) in [
@@ -790,7 +768,7 @@ async fn idem_keys_reports_bad_flags_and_unreachable_stores() {
         (vec!["get", "--store", "memory://", ""], 2, "empty"),
         (vec!["list", "--store", "ftp://x"], 2, "unknown scheme"),
         (
-            vec!["list", "--store", "memory://", "--cursor", "nope"],
+            vec!["list", "--store", &redis_store, "--cursor", "nope"],
             2,
             "cursor",
         ),
@@ -807,8 +785,20 @@ async fn idem_keys_reports_bad_flags_and_unreachable_stores() {
             1,
             "127.0.0.1:1",
         ),
-        (vec!["get", "--store", "memory://", "k"], 1, "no record"),
-        (vec!["delete", "--store", "memory://", "k"], 1, "no record"),
+        // A memory store lives in its gateway: a new one would be empty.
+        (vec!["get", "--store", "memory://", "k"], 2, "admin API"),
+        (vec!["list", "--store", "memory://"], 2, "admin API"),
+        // A mistyped table is an error, never an empty listing (and never
+        // created: idem keys does not migrate).
+        (
+            vec![
+                "list",
+                "--store",
+                "postgres://root@127.0.0.1:5432/test?idem_table=keys_typo_never_created",
+            ],
+            2,
+            "does not exist",
+        ),
     ] {
         let (got, out, err) = keys(&[&args]).await;
         assert_eq!(got, code, "{args:?}\nstdout:\n{out}\nstderr:\n{err}");
@@ -819,10 +809,11 @@ async fn idem_keys_reports_bad_flags_and_unreachable_stores() {
         "idem keys created a database"
     );
     // IDEM_STORE is honoured.
-    let out = tokio::task::spawn_blocking(|| {
+    let env_store = redis_store.clone();
+    let out = tokio::task::spawn_blocking(move || {
         idem()
             .args(["keys", "list", "--json"])
-            .env("IDEM_STORE", "memory://")
+            .env("IDEM_STORE", env_store)
             .output()
             .unwrap()
     })
@@ -831,6 +822,6 @@ async fn idem_keys_reports_bad_flags_and_unreachable_stores() {
     let (stdout, _) = succeeded(&out, "idem keys list with IDEM_STORE");
     assert_eq!(
         json(&stdout),
-        serde_json::json!({"records": [], "next": null, "newest_first": true})
+        serde_json::json!({"records": [], "next": null, "newest_first": false})
     );
 }

@@ -268,6 +268,10 @@ impl<S: Store> KeyAdmin for InstrumentedStore<S> {
         };
         self.observe(StoreOp::List, call).await
     }
+
+    fn newest_first(&self) -> bool {
+        self.inner.admin().is_some_and(KeyAdmin::newest_first)
+    }
 }
 
 #[cfg(test)]

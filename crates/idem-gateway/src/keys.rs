@@ -48,7 +48,7 @@ use std::time::{Duration, SystemTime};
 use http::{HeaderMap, HeaderName, HeaderValue};
 use idem_core::admin::{ListPage, ListQuery, StateFilter};
 use idem_core::{
-    key_hash, IdempotencyKey, Millis, Phase, Record, RecordState, Scope, Store, StoreError,
+    key_hash, IdempotencyKey, Lease, Millis, Phase, Record, RecordState, Scope, Store, StoreError,
 };
 use idem_http::ScopeBy;
 use serde::{Deserialize, Serialize};
@@ -220,6 +220,12 @@ pub enum KeysError {
     /// ([`StoreError::Invalid`] for a bad limit or cursor).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// [`delete`] found the record in flight, but by the time it asked the
+    /// store to free that claim the claim had ended (its holder completed
+    /// or released it, or another request took it over). Nothing was
+    /// deleted; look at the record again.
+    #[error("the record changed while it was being deleted (its claim completed, was released or was taken over); nothing was deleted: look at it again")]
+    Changed,
 }
 
 async fn bounded<T>(
@@ -264,26 +270,54 @@ pub async fn get(
     Ok(rec.map(|r| KeyRecord::new(scope, key, &r)))
 }
 
-/// Deletes the record of `key` in `scope` whatever its state: reads it (to
-/// report what it was), then deletes it; each call bounded by `timeout`.
-/// `None` when there was nothing to delete. The caller logs the deletion
-/// ([`log_deleted`]).
+/// Deletes the record of `key` in `scope` as [`get`] sees it, each call
+/// bounded by `timeout`; `None` when `get` sees nothing (an absent key,
+/// or a claim whose lease ended: the next request takes it over anyway).
+/// The caller logs the deletion ([`log_deleted`]).
 ///
-/// Deleting an in-flight key lets the next request with it run again
-/// while the first holder may still be running: its late `complete` then
-/// fails (its fence is no longer current) and its result is not stored.
+/// - An **in-flight** record is freed with [`Store::release`] under the
+///   fence just read: a compare-and-set on the fence, so a claim that
+///   completed or changed hands in between is left alone
+///   ([`KeysError::Changed`]) instead of a stored result being deleted.
+///   The next request with the key runs while the first holder may still
+///   be running: its late `complete` fails (its fence is no longer
+///   current) and its result is not stored.
+/// - A **completed** record is deleted ([`Store::delete`]): the next
+///   request with the key runs again.
 ///
 /// # Errors
-/// The store's errors ([`StoreError::Timeout`] after `timeout`; after a
-/// timeout of the delete itself the record may or may not be gone).
+/// [`KeysError::Changed`] as above; the store's errors
+/// ([`StoreError::Timeout`] after `timeout`; after a timeout of the
+/// release or delete itself the record may or may not be gone).
 pub async fn delete(
     store: &dyn Store,
     scope: &Scope,
     key: &IdempotencyKey,
     timeout: Duration,
 ) -> Result<Option<Deleted>, KeysError> {
-    let record = get(store, scope, key, timeout).await?;
-    let existed = bounded(Phase::Delete, timeout, store.delete(scope, key)).await?;
+    let Some(raw) = bounded(Phase::Get, timeout, store.get(scope, key)).await? else {
+        return Ok(None);
+    };
+    let record = Some(KeyRecord::new(scope, key, &raw));
+    let existed = match raw.state {
+        RecordState::InProgress { fence, lease_until } => {
+            let lease = Lease {
+                scope: scope.clone(),
+                key: key.clone(),
+                fence,
+                until: lease_until,
+                took_over: false,
+            };
+            match bounded(Phase::Release, timeout, store.release(&lease)).await {
+                Ok(()) => true,
+                Err(StoreError::LeaseLost { .. }) => return Err(KeysError::Changed),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        RecordState::Completed { .. } => {
+            bounded(Phase::Delete, timeout, store.delete(scope, key)).await?
+        }
+    };
     Ok(existed.then(|| Deleted {
         deleted: true,
         key: key.as_str().to_owned(),
@@ -559,9 +593,14 @@ mod tests {
     }
 
     /// A store without the listing capability (every method but `admin`
-    /// forwarded to a memory store).
+    /// forwarded to a memory store). With `complete_after_get` set, the
+    /// next `get` completes that lease right after reading: the holder
+    /// finishing between an operator's read and delete.
     #[derive(Debug, Default)]
-    struct Unlisted(idem_core::MemoryStore);
+    struct Unlisted(
+        idem_core::MemoryStore,
+        std::sync::Mutex<Option<idem_core::Lease>>,
+    );
 
     #[async_trait::async_trait]
     impl Store for Unlisted {
@@ -594,7 +633,15 @@ mod tests {
             scope: &Scope,
             key: &IdempotencyKey,
         ) -> Result<Option<Record>, StoreError> {
-            self.0.get(scope, key).await
+            let read = self.0.get(scope, key).await;
+            let finishing = self.1.lock().unwrap().take();
+            if let Some(lease) = finishing {
+                let done = StoredResponse::new(201, "charged");
+                self.0
+                    .complete(&lease, &done, Duration::from_secs(60))
+                    .await?;
+            }
+            read
         }
         async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
             self.0.delete(scope, key).await
@@ -614,6 +661,40 @@ mod tests {
         let (scope, key) = (Scope::anonymous(), IdempotencyKey::new("k").unwrap());
         assert_eq!(get(&store, &scope, &key, t).await.unwrap(), None);
         assert_eq!(purge(&store, t).await.unwrap().purged, 0);
+    }
+
+    /// CASES-style race found from outside: an operator deletes an
+    /// in-flight key just as its holder completes. The delete must not
+    /// remove the stored result (a retry would run again).
+    #[tokio::test]
+    async fn a_delete_racing_the_holders_complete_keeps_the_result() {
+        let store = Unlisted::default();
+        let t = Duration::from_secs(1);
+        let (scope, key) = (Scope::anonymous(), IdempotencyKey::new("k").unwrap());
+        let idem_core::Begin::Acquired(lease) = store
+            .begin(&idem_core::BeginRequest {
+                scope: scope.clone(),
+                key: key.clone(),
+                fingerprint: Fingerprint::of(b"f"),
+                lease: Duration::from_secs(30),
+            })
+            .await
+            .unwrap()
+        else {
+            panic!("not acquired")
+        };
+        *store.1.lock().unwrap() = Some(lease);
+        let e = delete(&store, &scope, &key, t).await.unwrap_err();
+        assert!(matches!(e, KeysError::Changed), "{e:?}");
+        let kept = store.0.get(&scope, &key).await.unwrap().unwrap();
+        assert!(
+            matches!(kept.state, RecordState::Completed { .. }),
+            "the stored result was deleted: {kept:?}"
+        );
+        // Asked again, the operator deletes the completed record knowingly.
+        let d = delete(&store, &scope, &key, t).await.unwrap().unwrap();
+        assert_eq!(d.record.unwrap().state, STATE_COMPLETED);
+        assert_eq!(store.0.get(&scope, &key).await.unwrap(), None);
     }
 
     #[tokio::test(start_paused = true)]

@@ -181,7 +181,15 @@ impl Gateway {
         let listener = TcpListener::bind(config.listen).await.map_err(bind_error)?;
         let local_addr = listener.local_addr().map_err(bind_error)?;
         let admin = match config.admin_listen.addr() {
-            None => None,
+            None => {
+                if let Some(path) = &config.admin_token_file {
+                    tracing::warn!(
+                        admin_token_file = %path.display(),
+                        "--admin-token-file is set but --admin-listen is off: the token is not read and no admin API is served"
+                    );
+                }
+                None
+            }
             Some(addr) => {
                 let token = match &config.admin_token_file {
                     Some(path) => Some(

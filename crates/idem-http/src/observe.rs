@@ -137,6 +137,14 @@ pub enum TokenRejection {
 }
 
 impl TokenRejection {
+    /// Every reason, in label order.
+    pub const ALL: [TokenRejection; 4] = [
+        TokenRejection::Missing,
+        TokenRejection::Unknown,
+        TokenRejection::ScopeRequired,
+        TokenRejection::TooMany,
+    ];
+
     /// The label value: `missing`, `unknown`, `scope_required`, `too_many`.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -768,3 +768,27 @@ impl GatewayProc {
         }
     }
 }
+
+/// `mysql://user[:pw]@host[:port]/db` → `mariadb` client arguments.
+pub fn mariadb_args(url: &str) -> Vec<String> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.split('?').next().unwrap_or(rest);
+    let (auth, hostdb) = rest.rsplit_once('@').unwrap_or(("root", rest));
+    let (user, pw) = auth.split_once(':').unwrap_or((auth, ""));
+    let (hostport, db) = hostdb.split_once('/').unwrap_or((hostdb, "test"));
+    let (host, port) = hostport.split_once(':').unwrap_or((hostport, "3306"));
+    let mut v = vec![
+        format!("--host={host}"),
+        format!("--port={port}"),
+        format!("--user={user}"),
+    ];
+    if !pw.is_empty() {
+        v.push(format!("--password={pw}"));
+    }
+    v.push(if db.is_empty() {
+        "test".into()
+    } else {
+        db.to_owned()
+    });
+    v
+}

@@ -51,18 +51,25 @@ impl AdminToken {
         Ok(Self(token.to_vec()))
     }
 
-    /// Whether `given` is the token, in time independent of where they differ.
+    /// Whether `given` is the token, in time independent of where they
+    /// differ and of the given length: the SHA-256 digests of both are
+    /// compared byte by byte without stopping early.
     pub(crate) fn matches(&self, given: &[u8]) -> bool {
-        if given.len() != self.0.len() {
-            return false;
-        }
-        let diff = self
-            .0
+        use sha2::{Digest, Sha256};
+        let (want, got) = (Sha256::digest(&self.0), Sha256::digest(given));
+        let diff = want
             .iter()
-            .zip(given)
+            .zip(got.iter())
             .fold(0u8, |acc, (a, b)| acc | (a ^ b));
         std::hint::black_box(diff) == 0
     }
+}
+
+/// The credentials of `Authorization: Bearer <token>`; the scheme name is
+/// case-insensitive (RFC 9110 §11.1), one space follows it (RFC 6750 §2.1).
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, rest) = value.split_at_checked(7)?;
+    scheme.eq_ignore_ascii_case(b"bearer ").then_some(rest)
 }
 
 /// Checks the request's `Authorization: Bearer …` against `token`: `None`
@@ -76,7 +83,7 @@ pub(crate) fn denied<B>(req: &Request<B>, token: Option<&AdminToken>) -> Option<
     let given = req
         .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .and_then(|v| bearer(v.as_bytes()))
         .unwrap_or_default();
     if token.matches(given) {
         return None;

@@ -183,6 +183,7 @@ fn json<T: Serialize>(v: &T) -> Response<BoxBody> {
 fn failed(e: &KeysError) -> Response<BoxBody> {
     let (status, kind) = match e {
         KeysError::NoListing => (StatusCode::NOT_IMPLEMENTED, "list-unsupported"),
+        KeysError::Changed => (StatusCode::CONFLICT, "record-changed"),
         KeysError::Store(StoreError::Invalid(_)) => (StatusCode::BAD_REQUEST, "invalid-parameter"),
         KeysError::Store(StoreError::Corrupt { .. }) => {
             (StatusCode::INTERNAL_SERVER_ERROR, "corrupt-record")

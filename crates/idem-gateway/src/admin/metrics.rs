@@ -69,6 +69,20 @@ pub(crate) fn install() -> Option<&'static PrometheusHandle> {
                 return None;
             }
             metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+            // Counters of rare events are exported from the start, at 0, so
+            // `rate()` and alerts over them see a series before the first event.
+            for name in [
+                idem_core::instrument::LEASE_LOST,
+                idem_core::instrument::SAVE_RETRIES,
+                idem_core::instrument::LEASE_TAKEOVERS,
+                idem_http::observe::TOKENS_ISSUED,
+            ] {
+                metrics::counter!(name).increment(0);
+            }
+            for reason in idem_http::TokenRejection::ALL {
+                metrics::counter!(idem_http::observe::TOKENS_REJECTED, "reason" => reason.as_str())
+                    .increment(0);
+            }
             let upkeep = handle.clone();
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move {

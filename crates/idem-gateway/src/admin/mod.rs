@@ -56,15 +56,30 @@ pub(crate) struct AdminState {
     pub status: status::PageState,
 }
 
+/// Most admin connections served at once: 16 (within the 32 file
+/// descriptors the connection cap keeps for the gateway itself, so the
+/// admin port can never starve the client port). Past it a new connection
+/// is closed at once.
+pub(crate) const MAX_ADMIN_CONNECTIONS: usize = 16;
+/// How long an admin connection may wait for its first byte, and for each
+/// request head: 10 s.
+pub(crate) const ADMIN_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest life of one admin connection: 60 s (a scraper or the
+/// status page reconnects; a silent HTTP/2 connection cannot stay).
+pub(crate) const ADMIN_CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+
 /// Serves the admin listener until `stop` is cancelled. Connections are
-/// served on their own tasks; a request that has not completed its head
-/// within 10 s is dropped.
+/// served on their own tasks, at most [`MAX_ADMIN_CONNECTIONS`] at once,
+/// each closed when it sends nothing for [`ADMIN_HEADER_TIMEOUT`] after
+/// accept, when a request head takes longer than that, and after
+/// [`ADMIN_CONNECTION_LIFETIME`] in any case.
 pub(crate) async fn serve(listener: TcpListener, state: Arc<AdminState>, stop: CancellationToken) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(10));
+        .header_read_timeout(ADMIN_HEADER_TIMEOUT);
     let builder = Arc::new(builder);
     loop {
         let (stream, peer) = tokio::select! {
@@ -78,10 +93,21 @@ pub(crate) async fn serve(listener: TcpListener, state: Arc<AdminState>, stop: C
                 }
             },
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "admin listener: {MAX_ADMIN_CONNECTIONS} connections open; closing a new one");
+            drop(stream);
+            continue;
+        };
         let state = state.clone();
         let builder = builder.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
+            let _slot = slot;
+            let mut first = [0u8; 1];
+            match tokio::time::timeout(ADMIN_HEADER_TIMEOUT, stream.peek(&mut first)).await {
+                Ok(Ok(n)) if n > 0 => {}
+                _ => return,
+            }
             let service = hyper::service::service_fn(move |req| {
                 let state = state.clone();
                 async move { Ok::<_, Infallible>(route(req, &state, peer).await) }
@@ -92,6 +118,7 @@ pub(crate) async fn serve(listener: TcpListener, state: Arc<AdminState>, stop: C
                     tracing::debug!(error = %e, %peer, "admin connection ended with an error");
                 },
                 () = stop.cancelled() => {}
+                () = tokio::time::sleep(ADMIN_CONNECTION_LIFETIME) => {}
             }
         });
     }
@@ -107,7 +134,7 @@ async fn route(req: Request<Incoming>, state: &AdminState, peer: SocketAddr) -> 
             }
             metrics::render()
         }
-        crate::health::LIVE_PATH | crate::health::READY_PATH => {
+        crate::health::LIVE_PATH | crate::health::READY_PATH | crate::health::HEALTH_PATH => {
             crate::health::respond(&req, &state.health)
                 .await
                 .unwrap_or_else(not_found)
