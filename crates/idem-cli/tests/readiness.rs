@@ -73,7 +73,8 @@ async fn ready(c: &reqwest::Client, gw: &GatewayProc, kind: &str) {
     assert_eq!(s, 200, "admin /_idem/ready: {v}");
 }
 
-/// Waits for 503 and checks the problem's members; returns it.
+/// Waits for 503 and checks the problem's members on both ports; returns
+/// the admin port's answer (with the store's message).
 async fn not_ready(c: &reqwest::Client, gw: &GatewayProc, kind: &str) -> Value {
     let v = until(c, gw, "/_idem/ready", 503).await;
     assert_eq!(v["status"], 503, "{v}");
@@ -83,12 +84,21 @@ async fn not_ready(c: &reqwest::Client, gw: &GatewayProc, kind: &str) -> Value {
         t == "urn:idem:problem:store-unavailable" || t == "urn:idem:problem:store-full",
         "{v}"
     );
-    assert!(v["detail"].as_str().is_some_and(|d| !d.is_empty()), "{v}");
+    // The client port names the reason, never the store's own message
+    // (it can name files, hosts, tables); the admin port gives both.
+    let public = v["detail"].as_str().unwrap_or_default();
+    assert!(public.contains("admin listener"), "{v}");
+    let (s, a) = get(c, &format!("http://{}/_idem/ready", gw.admin)).await;
+    assert_eq!((s, &a["reason"]), (503, &v["reason"]), "{a}");
+    let operator = a["detail"].as_str().unwrap_or_default();
+    let message = operator.split_once("): ").map_or("", |(_, m)| m);
+    assert!(!message.is_empty(), "no store message on the admin port: {a}");
+    assert!(!public.contains(message), "the client port shows the store's message: {v}");
     // The alias says the same (from the same cached check).
     let (s, h) = get(c, &gw.url("/_idem/health")).await;
     assert_eq!((s, &h["reason"]), (503, &v["reason"]), "{h}");
     live(c, gw).await;
-    v
+    a
 }
 
 fn sqlite_count(db: &Path, sql: &str) -> u64 {

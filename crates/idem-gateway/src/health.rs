@@ -288,11 +288,22 @@ impl Health {
     }
 }
 
+/// Who asks a probe: what a 503 may say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Audience {
+    /// The client port: the reason word only (the store's own message can
+    /// name files, hosts and tables).
+    Public,
+    /// The admin port: the reason and the store's message.
+    Operator,
+}
+
 /// The answer to `GET`/`HEAD` of a probe path (`/_idem/live`,
 /// `/_idem/ready`, `/_idem/health`), or `None` for any other path.
 pub(crate) async fn respond<B>(
     req: &Request<B>,
     health: &Arc<Health>,
+    audience: Audience,
 ) -> Option<Response<BoxBody>> {
     let path = req.uri().path();
     let ready = match path {
@@ -323,10 +334,17 @@ pub(crate) async fn respond<B>(
         Readiness::NotReady { reason, detail } => Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             reason.problem_kind(),
-            format!(
-                "the {kind} store does not accept writes ({}): {detail}",
-                reason.as_str()
-            ),
+            match audience {
+                Audience::Operator => format!(
+                    "the {kind} store does not accept writes ({}): {detail}",
+                    reason.as_str()
+                ),
+                Audience::Public => format!(
+                    "the {kind} store does not accept writes ({}); the store's message is in \
+                     the gateway's log and on its admin listener",
+                    reason.as_str()
+                ),
+            },
         )
         .with_member("store", kind)
         .with_member("reason", reason.as_str())

@@ -891,7 +891,8 @@ async fn internal(
     health: &Arc<Health>,
     tokens: &TokenEndpoint,
 ) -> Response<BoxBody> {
-    if let Some(resp) = crate::health::respond(&req, health).await {
+    if let Some(resp) = crate::health::respond(&req, health, crate::health::Audience::Public).await
+    {
         return resp;
     }
     if req.uri().path() == TOKENS_PATH {

@@ -135,7 +135,7 @@ async fn route(req: Request<Incoming>, state: &AdminState, peer: SocketAddr) -> 
             metrics::render()
         }
         crate::health::LIVE_PATH | crate::health::READY_PATH | crate::health::HEALTH_PATH => {
-            crate::health::respond(&req, &state.health)
+            crate::health::respond(&req, &state.health, crate::health::Audience::Operator)
                 .await
                 .unwrap_or_else(not_found)
         }
