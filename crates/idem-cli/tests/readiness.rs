@@ -92,8 +92,14 @@ async fn not_ready(c: &reqwest::Client, gw: &GatewayProc, kind: &str) -> Value {
     assert_eq!((s, &a["reason"]), (503, &v["reason"]), "{a}");
     let operator = a["detail"].as_str().unwrap_or_default();
     let message = operator.split_once("): ").map_or("", |(_, m)| m);
-    assert!(!message.is_empty(), "no store message on the admin port: {a}");
-    assert!(!public.contains(message), "the client port shows the store's message: {v}");
+    assert!(
+        !message.is_empty(),
+        "no store message on the admin port: {a}"
+    );
+    assert!(
+        !public.contains(message),
+        "the client port shows the store's message: {v}"
+    );
     // The alias says the same (from the same cached check).
     let (s, h) = get(c, &gw.url("/_idem/health")).await;
     assert_eq!((s, &h["reason"]), (503, &v["reason"]), "{h}");
