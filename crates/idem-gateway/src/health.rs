@@ -531,55 +531,14 @@ mod tests {
         assert_eq!(store.get(&req.scope, h.canary()).await.unwrap(), None);
     }
 
-    /// A memory store that counts `begin` calls and takes 50 ms for each.
-    #[derive(Debug)]
-    struct Counting(MemoryStore, std::sync::atomic::AtomicUsize);
-
-    #[async_trait::async_trait]
-    impl Store for Counting {
-        async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
-            self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            self.0.begin(req).await
-        }
-        async fn complete(
-            &self,
-            lease: &idem_core::Lease,
-            response: &idem_core::StoredResponse,
-            ttl: Duration,
-        ) -> Result<(), StoreError> {
-            self.0.complete(lease, response, ttl).await
-        }
-        async fn release(&self, lease: &idem_core::Lease) -> Result<(), StoreError> {
-            self.0.release(lease).await
-        }
-        async fn extend(
-            &self,
-            lease: &idem_core::Lease,
-            d: Duration,
-        ) -> Result<idem_core::Lease, StoreError> {
-            self.0.extend(lease, d).await
-        }
-        async fn get(
-            &self,
-            scope: &Scope,
-            key: &IdempotencyKey,
-        ) -> Result<Option<idem_core::Record>, StoreError> {
-            self.0.get(scope, key).await
-        }
-        async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
-            self.0.delete(scope, key).await
-        }
-        async fn purge_expired(&self) -> Result<u64, StoreError> {
-            self.0.purge_expired().await
-        }
-    }
-
     #[tokio::test]
     async fn results_are_cached_and_probes_share_one_check() {
-        let store = Arc::new(Counting(MemoryStore::new(), Default::default()));
-        let h = Health::new(store.clone(), "memory", "memory://");
-        let begins = || store.1.load(std::sync::atomic::Ordering::SeqCst);
+        use idem_testkit::faulty::{Fault, Op};
+        // A memory store whose `begin` takes 50 ms, its calls counted.
+        let store = idem_testkit::FaultyStore::new(MemoryStore::new());
+        store.set(Op::Begin, Fault::Delay(Duration::from_millis(50)));
+        let h = Health::new(Arc::new(store.clone()), "memory", "memory://");
+        let begins = || store.calls(Op::Begin);
         // 200 probes at once while the check takes 50 ms: one check.
         let all = futures::future::join_all((0..200).map(|_| h.readiness())).await;
         assert!(all.iter().all(|r| *r == Readiness::Ready));
