@@ -550,6 +550,9 @@ pub struct GatewayConfig {
     /// the status page answer 404; `--admin-token-file`). Read by
     /// [`crate::Gateway::bind`].
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// Per-route rules, first match wins (default none: every request
+    /// gets [`Self::layer`]); from the configuration file's `[[routes]]`.
+    pub routes: Vec<idem_http::Route>,
 }
 
 impl GatewayConfig {
@@ -572,6 +575,7 @@ impl GatewayConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             admin_listen: AdminListen::default(),
             admin_token_file: None,
+            routes: Vec::new(),
         }
     }
 
@@ -696,6 +700,7 @@ impl GatewayConfig {
                 check_scope_header(name).map_err(ConfigError::ScopeHeader)?;
             }
         }
+        idem_http::routes::validate_routes(&self.routes).map_err(ConfigError::Route)?;
         Ok(())
     }
 }
@@ -755,6 +760,9 @@ pub(crate) fn show_scope(scope: &ScopeBy) -> String {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
+    /// A `[[routes]]` entry is refused ([`idem_http::RouteError`]).
+    #[error("{0}")]
+    Route(#[from] idem_http::RouteError),
     /// `--lease` below [`idem_core::MIN_LEASE`] (1 s): a claim could end
     /// before the upstream is even called, and duplicates would run again.
     #[error(

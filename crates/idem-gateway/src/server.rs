@@ -408,7 +408,10 @@ impl Routes {
         if let Some(recent) = recent {
             options.fail_open = Some(recent);
         }
-        let layer = IdempotencyLayer::from_parts(store.clone(), options);
+        // `GatewayConfig::validate` checked the routes.
+        let layer = IdempotencyLayer::from_parts(store.clone(), options)
+            .with_routes(config.routes.clone())
+            .expect("routes are validated with the configuration");
         Self {
             tokens: Arc::new(TokenEndpoint {
                 layer: layer.clone(),

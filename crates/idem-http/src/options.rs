@@ -7,8 +7,10 @@ use std::time::Duration;
 use http::Method;
 use idem_core::{Action, EngineConfig, IdempotencyKey, Scope};
 
+use crate::fingerprint::FingerprintSpec;
 use crate::path::{normalize_path, rule_form};
-use crate::policy::{default_policy, Disposition};
+use crate::policy::StatusPolicy;
+use crate::routes::KeySource;
 use crate::scope::ScopeBy;
 
 /// Guarded methods by default: POST and PATCH.
@@ -70,9 +72,17 @@ pub struct Options {
     /// How long a duplicate waits for an in-flight original (default
     /// [`EngineConfig::default`]'s, 0).
     pub wait: Duration,
-    /// Which statuses are stored; the rest are released
-    /// (default: 1xx–4xx except 408, 409, 425, 429).
-    pub policy: fn(http::StatusCode) -> Disposition,
+    /// Which statuses are stored, released or held (default
+    /// [`crate::default_policy`]: 1xx–4xx except 408, 409, 425, 429 are
+    /// stored, the rest released; see [`StatusPolicy`] for overrides).
+    pub policy: StatusPolicy,
+    /// Where the idempotency key comes from (default the `Idempotency-Key`
+    /// header; see [`KeySource`]).
+    pub key_source: KeySource,
+    /// Which parts of a request count for its fingerprint (default: the
+    /// method, path, query, `Content-Type` and body; see
+    /// [`FingerprintSpec`]).
+    pub fingerprint: FingerprintSpec,
     /// Path prefixes whose guarded requests must carry a live submit token
     /// ([`idem_core::token`]) as their `Idempotency-Key` (default none).
     /// Matched by path segment: `/pay` matches `/pay` and `/pay/42`, not
@@ -159,7 +169,9 @@ impl Default for Options {
             lease: engine.lease,
             ttl: engine.ttl,
             wait: engine.wait,
-            policy: default_policy,
+            policy: StatusPolicy::default(),
+            key_source: KeySource::default(),
+            fingerprint: FingerprintSpec::default(),
             require_token: Vec::new(),
             token_ttl: DEFAULT_TOKEN_TTL,
             fail_open: None,
@@ -276,8 +288,8 @@ mod tests {
         assert_eq!(o.ttl, Duration::from_secs(86_400));
         assert_eq!(o.wait, Duration::ZERO);
         assert_eq!(
-            (o.policy)(StatusCode::INTERNAL_SERVER_ERROR),
-            Disposition::Release
+            o.policy.disposition(StatusCode::INTERNAL_SERVER_ERROR),
+            crate::Disposition::Release
         );
         let c = o.engine_config();
         assert!(c.watchdog);

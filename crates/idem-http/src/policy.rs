@@ -48,6 +48,149 @@ pub fn default_policy(status: StatusCode) -> Disposition {
     }
 }
 
+/// Which statuses are stored, released or held: [`default_policy`] (or
+/// another base function) with per-status and per-class overrides on top,
+/// the most specific first (an exact status, then its class such as `5xx`,
+/// then the base).
+///
+/// ```
+/// use http::StatusCode;
+/// use idem_http::{Disposition, StatusPolicy};
+/// let stripe = StatusPolicy::store_5xx();
+/// assert_eq!(stripe.disposition(StatusCode::INTERNAL_SERVER_ERROR), Disposition::Store);
+/// assert_eq!(stripe.disposition(StatusCode::GATEWAY_TIMEOUT), Disposition::Hold);
+/// assert_eq!(stripe.disposition(StatusCode::CONFLICT), Disposition::Release);
+/// let p: StatusPolicy = StatusPolicy::default().with("504", Disposition::Hold).unwrap();
+/// assert_eq!(p.disposition(StatusCode::GATEWAY_TIMEOUT), Disposition::Hold);
+/// assert_eq!(p.disposition(StatusCode::BAD_GATEWAY), Disposition::Release);
+/// ```
+#[derive(Clone)]
+pub struct StatusPolicy {
+    base: fn(StatusCode) -> Disposition,
+    /// Exact statuses (100–999).
+    exact: Vec<(u16, Disposition)>,
+    /// By class: index 1 for `1xx` … 9 for `9xx`.
+    class: [Option<Disposition>; 10],
+}
+
+impl std::fmt::Debug for StatusPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut m = f.debug_map();
+        for (i, d) in self.class.iter().enumerate() {
+            if let Some(d) = d {
+                m.entry(&format_args!("{i}xx"), d);
+            }
+        }
+        for (code, d) in &self.exact {
+            m.entry(code, d);
+        }
+        m.finish()
+    }
+}
+
+impl Default for StatusPolicy {
+    /// [`default_policy`] with no override.
+    fn default() -> Self {
+        Self::from_fn(default_policy)
+    }
+}
+
+impl From<fn(StatusCode) -> Disposition> for StatusPolicy {
+    fn from(f: fn(StatusCode) -> Disposition) -> Self {
+        Self::from_fn(f)
+    }
+}
+
+/// Why a status override was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a status (100-999) nor a class (1xx-9xx)")]
+pub struct StatusPatternError(pub String);
+
+impl StatusPolicy {
+    /// `base` with no override.
+    pub fn from_fn(base: fn(StatusCode) -> Disposition) -> Self {
+        Self {
+            base,
+            exact: Vec::new(),
+            class: [None; 10],
+        }
+    }
+
+    /// Stripe's choice: 5xx answers are stored and replayed (a retry gets
+    /// the same 500 instead of a second attempt), except 502 and 503, which
+    /// the upstream sends before it acted (released), and 504, whose
+    /// outcome is unknown (held until the lease ends). The rest as
+    /// [`default_policy`].
+    pub fn store_5xx() -> Self {
+        let mut p = Self::default();
+        p.class[5] = Some(Disposition::Store);
+        p.exact = vec![
+            (502, Disposition::Release),
+            (503, Disposition::Release),
+            (504, Disposition::Hold),
+        ];
+        p
+    }
+
+    /// This policy with `pattern` (a status such as `"504"` or a class
+    /// such as `"5xx"`, case-insensitive) answered `disposition`; a later
+    /// override of the same pattern replaces an earlier one.
+    ///
+    /// # Errors
+    /// [`StatusPatternError`] for anything else.
+    pub fn with(
+        mut self,
+        pattern: &str,
+        disposition: Disposition,
+    ) -> Result<Self, StatusPatternError> {
+        let err = || StatusPatternError(pattern.to_owned());
+        let p = pattern.trim().to_ascii_lowercase();
+        if let Some(d) = p.strip_suffix("xx") {
+            let class: usize = match d.as_bytes() {
+                [c @ b'1'..=b'9'] => usize::from(c - b'0'),
+                _ => return Err(err()),
+            };
+            self.class[class] = Some(disposition);
+            return Ok(self);
+        }
+        let code: u16 = p.parse().map_err(|_| err())?;
+        if !(100..=999).contains(&code) || p.len() != 3 {
+            return Err(err());
+        }
+        self.exact.retain(|(c, _)| *c != code);
+        self.exact.push((code, disposition));
+        Ok(self)
+    }
+
+    /// What happens to a key whose run answered `status`.
+    pub fn disposition(&self, status: StatusCode) -> Disposition {
+        let code = status.as_u16();
+        if let Some((_, d)) = self.exact.iter().find(|(c, _)| *c == code) {
+            return *d;
+        }
+        if let Some(d) = self.class.get(usize::from(code / 100)).copied().flatten() {
+            return d;
+        }
+        (self.base)(status)
+    }
+
+    /// The overrides, most specific first, as `(pattern, disposition)`:
+    /// for showing the policy in force.
+    pub fn overrides(&self) -> Vec<(String, Disposition)> {
+        let mut out: Vec<(String, Disposition)> = self
+            .exact
+            .iter()
+            .map(|(c, d)| (c.to_string(), *d))
+            .collect();
+        for (i, d) in self.class.iter().enumerate() {
+            if let Some(d) = d {
+                out.push((format!("{i}xx"), *d));
+            }
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,6 +225,35 @@ mod tests {
         for (code, want) in cases {
             let status = StatusCode::from_u16(code).unwrap();
             assert_eq!(default_policy(status), want, "status {code}");
+            assert_eq!(
+                StatusPolicy::default().disposition(status),
+                want,
+                "status {code}"
+            );
+        }
+    }
+
+    #[test]
+    fn overrides_most_specific_first() {
+        let p = StatusPolicy::default()
+            .with("5xx", Disposition::Store)
+            .unwrap()
+            .with("504", Disposition::Hold)
+            .unwrap()
+            .with("4XX", Disposition::Release)
+            .unwrap();
+        let d = |c: u16| p.disposition(StatusCode::from_u16(c).unwrap());
+        assert_eq!(d(500), Disposition::Store);
+        assert_eq!(d(504), Disposition::Hold);
+        assert_eq!(d(404), Disposition::Release);
+        assert_eq!(d(201), Disposition::Store);
+        for bad in ["", "5x", "0xx", "xx", "99", "1000", "5xxx", "+50", "050"] {
+            assert!(
+                StatusPolicy::default()
+                    .with(bad, Disposition::Store)
+                    .is_err(),
+                "{bad}"
+            );
         }
     }
 }

@@ -347,7 +347,7 @@ impl Guarded {
             running: _running,
         } = self;
         let (scope, key) = (&log.scope, &log.key);
-        let policy = options.policy;
+        let policy = &options.policy;
         let retention_limit = options.retention_limit;
         // The inner service and the request until the engine runs them:
         // still here once the engine returns means nothing was sent.
@@ -858,7 +858,7 @@ impl StoreFailure {
 /// What the inner service's response becomes, and what to do with the key.
 async fn first_response<RB>(
     resp: Response<RB>,
-    policy: fn(StatusCode) -> Disposition,
+    policy: &crate::policy::StatusPolicy,
     retention_limit: usize,
 ) -> (Response<BoxBody>, Action)
 where
@@ -883,7 +883,7 @@ where
         .extensions
         .get::<Disposition>()
         .copied()
-        .unwrap_or_else(|| policy(parts.status));
+        .unwrap_or_else(|| policy.disposition(parts.status));
     let body: BoxBody = body.map_err(Into::into).boxed_unsync();
     let (body, action) = match disposition {
         Disposition::Release => (body, Action::Release),

@@ -1,0 +1,370 @@
+//! Per-route rules: an ordered list of [`Route`]s, first match wins, each
+//! with its own complete [`Options`] (TTL, lease, wait, key source,
+//! fingerprint, status policy, scope, limits).
+//!
+//! A request is matched on its method (one of the route's
+//! [`Options::methods`]) and its path against the route's [`PathPattern`];
+//! the path is judged in the same form as the token routes (normalised by
+//! [`crate::path::normalize_path`], then fully percent-decoded and
+//! lower-cased), so no spelling of a path escapes the rules written for it.
+//! A request no route matches is judged by the layer's own options (the
+//! route named `default`).
+//!
+//! Routes are given to the layer with
+//! [`crate::IdempotencyLayer::with_routes`] and replaced while it serves
+//! with [`crate::IdempotencyLayer::reload`]: a request keeps the rules it
+//! started with.
+
+use http::HeaderName;
+
+use crate::options::Options;
+use crate::path::{normalize_path, rule_form};
+
+/// The route name of requests no route matches: `default`.
+pub const DEFAULT_ROUTE: &str = "default";
+/// The longest route name, bytes: 64 (it is a metric label).
+pub const MAX_ROUTE_NAME: usize = 64;
+/// The most routes in one table: 1,000 (each request may try every one).
+pub const MAX_ROUTES: usize = 1000;
+
+/// Where a route's idempotency key comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// A request header (default `Idempotency-Key`), parsed as the
+    /// `Idempotency-Key` field is (IETF httpapi draft: an RFC 8941
+    /// sf-string or a bare token of 1 to 255 characters).
+    Header(HeaderName),
+    /// A member of the JSON request body, by JSON Pointer (RFC 6901), e.g.
+    /// `/event_id` for `{"event_id": "evt_1"}`: a string (the key as it is)
+    /// or an integer (its decimal digits). The body is read first (up to
+    /// the route's `max_body`). A body without it is passed through, or
+    /// refused with 400 `key-required` when the route requires a key.
+    JsonPointer(String),
+}
+
+impl Default for KeySource {
+    /// The `Idempotency-Key` header.
+    fn default() -> Self {
+        Self::Header(crate::key::IDEMPOTENCY_KEY)
+    }
+}
+
+/// A path pattern: segments matched one by one against the request path,
+/// as a prefix by segment. `/payments` matches `/payments`, `/payments/`
+/// and `/payments/42`, not `/paymentsx`; `/orders/{id}/items` matches
+/// `/orders/7/items` and `/orders/7/items/3`; `{name}` matches exactly one
+/// non-empty segment. `/` matches every path. Matching ignores letter case
+/// and percent-encoding (see the [module docs](self)).
+///
+/// ```
+/// use idem_http::routes::PathPattern;
+/// let p: PathPattern = "/orders/{id}/items".parse().unwrap();
+/// assert!(p.matches("/orders/7/items"));
+/// assert!(p.matches("/ORDERS/7/items/3"));
+/// assert!(p.matches("/orders/%37/items"));
+/// assert!(!p.matches("/orders/items"));
+/// assert!(!p.matches("/orders//items"));
+/// assert!(!p.matches("/orders/7/itemsx"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathPattern {
+    /// As written.
+    raw: String,
+    /// In rule form; `None` for a `{placeholder}`.
+    segments: Vec<Option<Vec<u8>>>,
+}
+
+/// Why a path pattern, a route or a route table was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouteError {
+    /// The pattern is not a path starting with `/`, or is ambiguous.
+    #[error("path pattern {pattern:?}: {reason}")]
+    Pattern {
+        /// The pattern as written.
+        pattern: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A route name that is empty, too long, not `[A-Za-z0-9_.-]`, or
+    /// `default`.
+    #[error(
+        "route name {0:?} must be 1 to 64 characters of A-Z a-z 0-9 _ . - and not \"default\""
+    )]
+    Name(String),
+    /// Two routes with one name.
+    #[error("two routes are named {0:?}")]
+    DuplicateName(String),
+    /// More than [`MAX_ROUTES`] routes.
+    #[error("{0} routes; at most 1000")]
+    TooMany(usize),
+    /// A route's settings void the guarantee or contradict each other.
+    #[error("route {route:?}: {reason}")]
+    Invalid {
+        /// The route's name.
+        route: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl std::str::FromStr for PathPattern {
+    type Err = RouteError;
+
+    /// Parses a pattern: it starts with `/`; a segment is a literal
+    /// (normalised like a request path) or a whole `{name}` placeholder.
+    ///
+    /// # Errors
+    /// [`RouteError::Pattern`] for a pattern that does not start with `/`,
+    /// an ambiguous spelling ([`crate::path::PathError`]), an empty segment
+    /// (`//`), or a `{` or `}` inside a segment.
+    fn from_str(raw: &str) -> Result<Self, RouteError> {
+        let err = |reason: String| RouteError::Pattern {
+            pattern: raw.to_owned(),
+            reason,
+        };
+        if !raw.starts_with('/') {
+            return Err(err("must start with '/'".into()));
+        }
+        if raw.contains("//") {
+            return Err(err("has an empty segment ('//')".into()));
+        }
+        let mut segments = Vec::new();
+        for seg in raw[1..].split('/') {
+            if seg.is_empty() {
+                // A trailing slash: `/a/` is the prefix `/a`.
+                continue;
+            }
+            if seg.starts_with('{') && seg.ends_with('}') && seg.len() > 2 {
+                let name = &seg[1..seg.len() - 1];
+                if name.contains(['{', '}']) {
+                    return Err(err(format!("segment {seg:?} is not one placeholder")));
+                }
+                segments.push(None);
+                continue;
+            }
+            if seg.contains(['{', '}']) {
+                return Err(err(format!(
+                    "segment {seg:?}: a placeholder is a whole segment, like {{id}}"
+                )));
+            }
+            let one = format!("/{seg}");
+            let normal = normalize_path(&one).map_err(|e| err(e.to_string()))?;
+            if normal.len() <= 1 || normal[1..].contains('/') {
+                return Err(err(format!("segment {seg:?} is a dot segment")));
+            }
+            segments.push(Some(rule_form(&normal[1..])));
+        }
+        Ok(Self {
+            raw: raw.to_owned(),
+            segments,
+        })
+    }
+}
+
+impl std::fmt::Display for PathPattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.raw)
+    }
+}
+
+impl PathPattern {
+    /// The pattern as written.
+    pub fn as_str(&self) -> &str {
+        &self.raw
+    }
+
+    /// Whether the request path `path` (as received: it is normalised
+    /// here) matches. A path that cannot be normalised matches no pattern
+    /// (the layer refuses such paths on guarded methods before it asks).
+    pub fn matches(&self, path: &str) -> bool {
+        match normalize_path(path) {
+            Ok(p) => self.matches_rule_form(&rule_form(&p)),
+            Err(_) => false,
+        }
+    }
+
+    /// Whether a path already in rule form (normalised, decoded,
+    /// lower-cased) matches.
+    pub(crate) fn matches_rule_form(&self, path: &[u8]) -> bool {
+        let mut rest = path.strip_prefix(b"/").unwrap_or(path);
+        for seg in &self.segments {
+            if rest.is_empty() {
+                return false;
+            }
+            let (head, tail) = match rest.iter().position(|&c| c == b'/') {
+                Some(i) => (&rest[..i], &rest[i + 1..]),
+                None => (rest, &rest[rest.len()..]),
+            };
+            match seg {
+                None if head.is_empty() => return false,
+                None => {}
+                Some(lit) if lit.as_slice() != head => return false,
+                Some(_) => {}
+            }
+            rest = tail;
+        }
+        true
+    }
+}
+
+/// One route: which requests it covers and the complete settings they get.
+///
+/// Build its [`Options`] from the layer's (`..layer_options.clone()`) and
+/// change what the route changes. Layer-wide settings in a route's options
+/// are ignored: `max_buffered`, `body_timeout`, `token_ttl`,
+/// `tokens_per_scope`, `max_live_tokens`, `anonymous_tokens`, `fail_open`,
+/// `access_log`, `require_token` (the token prefixes hold on every route).
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// The name in logs and in the `route` label of the request metrics
+    /// (1 to [`MAX_ROUTE_NAME`] characters of `A-Z a-z 0-9 _ . -`, not
+    /// [`DEFAULT_ROUTE`]).
+    pub name: String,
+    /// The paths covered.
+    pub path: PathPattern,
+    /// `false`: the route's requests are passed through untouched (no key,
+    /// no store), like requests of unguarded methods.
+    pub guard: bool,
+    /// The route's keys must be live submit tokens ([`Options::require_token`]
+    /// explains the answers), whatever the token prefixes say.
+    pub require_token: bool,
+    /// The route's settings; `options.methods` are the methods it covers.
+    pub options: Options,
+}
+
+impl Route {
+    /// A guarded route named `name` over `path` with `options`.
+    ///
+    /// # Errors
+    /// [`RouteError::Pattern`] for a bad `path`.
+    pub fn new(name: impl Into<String>, path: &str, options: Options) -> Result<Self, RouteError> {
+        Ok(Self {
+            name: name.into(),
+            path: path.parse()?,
+            guard: true,
+            require_token: false,
+            options,
+        })
+    }
+}
+
+/// Checks a table: names, count, and each route's settings as
+/// [`Options::validate`] checks the layer's.
+///
+/// # Errors
+/// The first problem, as a [`RouteError`].
+pub fn validate_routes(routes: &[Route]) -> Result<(), RouteError> {
+    if routes.len() > MAX_ROUTES {
+        return Err(RouteError::TooMany(routes.len()));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for r in routes {
+        let ok = !r.name.is_empty()
+            && r.name.len() <= MAX_ROUTE_NAME
+            && r.name != DEFAULT_ROUTE
+            && r.name
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-'));
+        if !ok {
+            return Err(RouteError::Name(r.name.clone()));
+        }
+        if !seen.insert(r.name.as_str()) {
+            return Err(RouteError::DuplicateName(r.name.clone()));
+        }
+        let invalid = |reason: String| RouteError::Invalid {
+            route: r.name.clone(),
+            reason,
+        };
+        if r.options.methods.is_empty() {
+            return Err(invalid("no method".into()));
+        }
+        if r.guard {
+            r.options.validate().map_err(|e| invalid(e.to_string()))?;
+            if r.options.max_body == 0 {
+                return Err(invalid("max_body is 0".into()));
+            }
+            if let KeySource::JsonPointer(p) = &r.options.key_source {
+                if !(p.is_empty() || p.starts_with('/')) {
+                    return Err(invalid(format!(
+                        "key_json_pointer {p:?} is not a JSON Pointer (RFC 6901: empty or starting with '/')"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str) -> PathPattern {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn prefix_by_segment() {
+        assert!(p("/payments").matches("/payments"));
+        assert!(p("/payments").matches("/payments/"));
+        assert!(p("/payments").matches("/payments/1"));
+        assert!(p("/payments/").matches("/payments/1"));
+        assert!(!p("/payments").matches("/payment"));
+        assert!(!p("/payments").matches("/paymentsx"));
+        assert!(!p("/payments").matches("/"));
+        assert!(p("/").matches("/"));
+        assert!(p("/").matches("/anything/at/all"));
+    }
+
+    #[test]
+    fn every_spelling_of_a_path_matches() {
+        for path in [
+            "/Payments/1",
+            "/%70ayments",
+            "//payments",
+            "/x/../payments",
+            "/./payments",
+        ] {
+            assert!(p("/payments").matches(path), "{path}");
+        }
+        assert!(p("/Caf%C3%A9").matches("/café/1"));
+        assert!(
+            !p("/payments").matches("/payments%2F1"),
+            "ambiguous paths match nothing"
+        );
+    }
+
+    #[test]
+    fn placeholders_take_one_segment() {
+        let pat = p("/orders/{id}/items");
+        assert!(pat.matches("/orders/7/items"));
+        assert!(pat.matches("/orders/abc/items/9"));
+        assert!(!pat.matches("/orders/7"));
+        assert!(!pat.matches("/orders/7/x/items"));
+        assert!(p("/{tenant}").matches("/t1"));
+        assert!(!p("/{tenant}").matches("/"));
+    }
+
+    #[test]
+    fn bad_patterns_are_refused() {
+        for bad in [
+            "payments", "", "/a//b", "/a/{id", "/a/x{id}", "/a%2Fb", "/a/..", "/a;b",
+        ] {
+            assert!(bad.parse::<PathPattern>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn names_are_checked() {
+        let route = |name: &str| Route::new(name, "/a", Options::default()).unwrap();
+        assert!(validate_routes(&[route("payments"), route("carts.v2")]).is_ok());
+        for bad in ["", "default", "a b", "ü", &"x".repeat(65)] {
+            assert!(validate_routes(&[route(bad)]).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            validate_routes(&[route("a"), route("a")]),
+            Err(RouteError::DuplicateName("a".into()))
+        );
+    }
+}
