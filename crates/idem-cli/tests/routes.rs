@@ -1,0 +1,1517 @@
+//! Per-route rules from one configuration file (issue 14), through the real
+//! binary: `idem gateway --config FILE` in front of a real upstream that
+//! counts every execution and echoes what it received.
+//!
+//! Each test writes its own TOML file (top-level gateway settings, then
+//! `[[routes]]`), starts one gateway on free ports with a `memory://` store
+//! (or a SQLite file in a temporary directory when the test reads the
+//! records back with `idem keys`), and asserts on statuses, bodies, the
+//! `Idempotent-Replayed` header and the upstream's execution count. No test
+//! sleeps through a TTL or a lease: TTLs and leases are read from the
+//! stored records (`idem keys list --json`), policies are judged by what a
+//! retry gets.
+//!
+//! Covered: webhooks keyed by a JSON Pointer into the body (redeliveries,
+//! excluded fields, a changed amount, a missing pointer, a body that is not
+//! JSON, with and without `require_key`); route precedence (first match
+//! wins, methods, `{id}` placeholders, path spellings); per-route
+//! `require_key`, `guard`, `ttl`, `lease`, `wait`, `status_policy`,
+//! `statuses`, `max_body`, `retention_limit`, `scope_headers`,
+//! `fingerprint_ignore_query`, `key_header`; the route name in logs and
+//! metrics; the example file `examples/config/idem.toml` under
+//! `idem config check` and as a running gateway.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::IntoResponse;
+use axum::Router;
+use support::{idem, serve, GatewayProc};
+
+// ---------------------------------------------------------------- upstream
+
+/// One execution the upstream saw.
+#[derive(Debug, Clone)]
+struct Exec {
+    method: String,
+    /// The path as the upstream received it.
+    path: String,
+    query: Option<String>,
+    headers: HeaderMap,
+    body: Vec<u8>,
+}
+
+/// An upstream that records every execution and echoes it. Request
+/// headers steer the answer (they are not part of the default
+/// fingerprint): `x-status` (default 201), `x-sleep-ms` (default 0),
+/// `x-size` (pad the response body to at least that many bytes).
+struct Echo {
+    url: String,
+    execs: Arc<Mutex<Vec<Exec>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Echo {
+    async fn start() -> Self {
+        let execs: Arc<Mutex<Vec<Exec>>> = Arc::default();
+        let state = execs.clone();
+        let app = Router::new().fallback(
+            move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+                let state = state.clone();
+                async move { echo(state, method, uri, headers, body).await }
+            },
+        );
+        let (url, task) = serve(app).await;
+        Self { url, execs, task }
+    }
+
+    /// How many requests the upstream executed.
+    fn total(&self) -> usize {
+        self.execs.lock().unwrap().len()
+    }
+
+    /// How many executions had a path starting with `prefix` (as received,
+    /// compared case-insensitively).
+    fn on(&self, prefix: &str) -> usize {
+        let prefix = prefix.to_ascii_lowercase();
+        self.execs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| e.path.to_ascii_lowercase().starts_with(&prefix))
+            .count()
+    }
+
+    fn execs(&self) -> Vec<Exec> {
+        self.execs.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn echo(
+    execs: Arc<Mutex<Vec<Exec>>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> axum::response::Response {
+    let num = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let status = num("x-status")
+        .and_then(|s| u16::try_from(s).ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED);
+    let sleep = num("x-sleep-ms").unwrap_or(0);
+    let size = usize::try_from(num("x-size").unwrap_or(0)).unwrap_or(0);
+    let n = {
+        let mut v = execs.lock().unwrap();
+        v.push(Exec {
+            method: method.to_string(),
+            path: uri.path().to_owned(),
+            query: uri.query().map(str::to_owned),
+            headers: headers.clone(),
+            body: body.to_vec(),
+        });
+        v.len()
+    };
+    if sleep > 0 {
+        tokio::time::sleep(Duration::from_millis(sleep)).await;
+    }
+    let nonce: u64 = rand::random();
+    let mut out = serde_json::json!({
+        "execution": n,
+        "method": method.as_str(),
+        "path": uri.path(),
+        "nonce": nonce,
+    })
+    .to_string();
+    if out.len() < size {
+        let pad = "x".repeat(size - out.len());
+        out = serde_json::json!({
+            "execution": n,
+            "method": method.as_str(),
+            "path": uri.path(),
+            "nonce": nonce,
+            "pad": pad,
+        })
+        .to_string();
+    }
+    (status, [("content-type", "application/json")], out).into_response()
+}
+
+// ---------------------------------------------------------------- gateway
+
+/// A gateway started from a configuration file, with its directory.
+struct Gw {
+    proc: GatewayProc,
+    /// Kept until the gateway is gone.
+    _dir: tempfile::TempDir,
+    config: PathBuf,
+}
+
+impl Gw {
+    /// Writes `upstream`, `store` (default `memory://`), `top` and then
+    /// `routes` to `<dir>/idem.toml` and runs `idem gateway --config` on it.
+    async fn start(name: &str, up: &Echo, top: &str, routes: &str) -> Self {
+        Self::start_in(tempfile::tempdir().unwrap(), name, up, None, top, routes).await
+    }
+
+    async fn start_in(
+        dir: tempfile::TempDir,
+        name: &str,
+        up: &Echo,
+        store: Option<&str>,
+        top: &str,
+        routes: &str,
+    ) -> Self {
+        let store = store.unwrap_or("memory://");
+        let text = format!(
+            "# written by tests/routes.rs ({name})\nupstream = {:?}\nstore = {store:?}\n{top}\n{routes}\n",
+            up.url
+        );
+        let config = dir.path().join("idem.toml");
+        std::fs::write(&config, &text).unwrap();
+        let path = config.display().to_string();
+        let proc = GatewayProc::start(dir.path(), name, &["--config", &path]).await;
+        Self {
+            proc,
+            _dir: dir,
+            config,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        self.proc.url(path)
+    }
+
+    /// The gateway's log, with the configuration file for context.
+    fn logs(&self) -> String {
+        format!(
+            "--- {}:\n{}\n--- log:\n{}",
+            self.config.display(),
+            std::fs::read_to_string(&self.config).unwrap_or_default(),
+            self.proc.logs()
+        )
+    }
+}
+
+// --------------------------------------------------------------- requests
+
+/// One answer, read to the end.
+#[derive(Debug, Clone)]
+struct Got {
+    status: u16,
+    replayed: bool,
+    content_type: String,
+    headers: HeaderMap,
+    body: String,
+}
+
+impl Got {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The `execution` number the upstream wrote (0 when absent).
+    fn execution(&self) -> u64 {
+        self.json()["execution"].as_u64().unwrap_or(0)
+    }
+
+    fn problem_type(&self) -> String {
+        self.json()["type"].as_str().unwrap_or("").to_owned()
+    }
+}
+
+/// Sends `method path` to the gateway with `headers` and `body`
+/// (`content-type: application/json` unless `headers` name another).
+async fn send(
+    c: &reqwest::Client,
+    gw: &Gw,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Got {
+    let url = gw.url(path);
+    let mut r = c
+        .request(
+            reqwest::Method::from_bytes(method.as_bytes()).unwrap(),
+            &url,
+        )
+        .timeout(Duration::from_secs(20))
+        .body(body.to_owned());
+    if !headers
+        .iter()
+        .any(|(n, _)| n.eq_ignore_ascii_case("content-type"))
+    {
+        r = r.header("content-type", "application/json");
+    }
+    for (n, v) in headers {
+        r = r.header(*n, *v);
+    }
+    let resp = r
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{method} {url}: {e}\n{}", gw.logs()));
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let replayed = headers
+        .get("idempotent-replayed")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+    let content_type = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let body = resp.text().await.unwrap_or_default();
+    Got {
+        status,
+        replayed,
+        content_type,
+        headers,
+        body,
+    }
+}
+
+/// `POST path` with `Idempotency-Key: key` (or none) and `body`.
+async fn post(c: &reqwest::Client, gw: &Gw, path: &str, key: Option<&str>, body: &str) -> Got {
+    match key {
+        Some(k) => send(c, gw, "POST", path, &[("idempotency-key", k)], body).await,
+        None => send(c, gw, "POST", path, &[], body).await,
+    }
+}
+
+/// Asserts a problem+json answer with `status` and, when given, the problem
+/// type `urn:idem:problem:<kind>`.
+#[track_caller]
+fn assert_problem(got: &Got, status: u16, kind: Option<&str>, what: &str) {
+    assert_eq!(got.status, status, "{what}: {got:?}");
+    assert!(
+        got.content_type.starts_with("application/problem+json"),
+        "{what}: a problem+json answer expected: {got:?}"
+    );
+    if let Some(kind) = kind {
+        assert_eq!(
+            got.problem_type(),
+            format!("urn:idem:problem:{kind}"),
+            "{what}: {got:?}"
+        );
+    }
+    assert!(
+        !got.replayed,
+        "{what}: a refusal is never a replay: {got:?}"
+    );
+}
+
+/// Asserts a fresh upstream answer (not a replay) with `status`.
+#[track_caller]
+fn assert_executed(got: &Got, status: u16, what: &str) {
+    assert_eq!(got.status, status, "{what}: {got:?}");
+    assert!(!got.replayed, "{what}: not a replay expected: {got:?}");
+    assert!(
+        got.execution() > 0,
+        "{what}: the upstream's answer: {got:?}"
+    );
+}
+
+/// Asserts that `second` replays `first`.
+#[track_caller]
+fn assert_replay_of(second: &Got, first: &Got, what: &str) {
+    assert_eq!(second.status, first.status, "{what}: {second:?}");
+    assert!(
+        second.replayed,
+        "{what}: `Idempotent-Replayed: true` expected: {second:?}"
+    );
+    assert_eq!(
+        second.body, first.body,
+        "{what}: a replay carries the stored body"
+    );
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
+}
+
+/// The records of a store, by `idem keys list --all --json`.
+fn records(store: &str) -> Vec<serde_json::Value> {
+    let out = idem()
+        .args(["keys", "list", "--store", store, "--all", "--json"])
+        .output()
+        .expect("run idem keys list");
+    let (stdout, _) = support::succeeded(&out, "idem keys list");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("idem keys list --json printed no JSON ({e}): {stdout}"));
+    v["records"].as_array().cloned().unwrap_or_default()
+}
+
+/// The record of `key` in `store` (panics when there is none).
+fn record(store: &str, key: &str) -> serde_json::Value {
+    let all = records(store);
+    all.iter()
+        .find(|r| r["key"] == key)
+        .cloned()
+        .unwrap_or_else(|| panic!("no record of {key:?} in {store}: {all:?}"))
+}
+
+fn sqlite_store(dir: &Path) -> String {
+    format!("sqlite://{}", dir.join("idem.db").display())
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap()
+}
+
+// ---------------------------------------------------------------- webhooks
+
+const WEBHOOKS: &str = r#"
+[[routes]]
+name = "webhooks"
+path = "/webhooks"
+key_json_pointer = "/event_id"
+fingerprint_exclude = ["/delivered_at"]
+"#;
+
+fn event(id: &str, amount: u64, delivered_at: &str) -> String {
+    serde_json::json!({
+        "event_id": id,
+        "type": "payment.succeeded",
+        "data": {"amount": amount, "currency": "EUR"},
+        "delivered_at": delivered_at,
+    })
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_redelivery_with_another_attempt_header_is_a_replay() {
+    let up = Echo::start().await;
+    let gw = Gw::start("webhook-redelivery", &up, "", WEBHOOKS).await;
+    let c = client();
+    let body = event("evt_1", 1000, "2026-12-02T06:00:00Z");
+    let first = send(
+        &c,
+        &gw,
+        "POST",
+        "/webhooks/psp",
+        &[("x-delivery-attempt", "1")],
+        &body,
+    )
+    .await;
+    assert_executed(&first, 201, "first delivery");
+    let second = send(
+        &c,
+        &gw,
+        "POST",
+        "/webhooks/psp",
+        &[("x-delivery-attempt", "2")],
+        &body,
+    )
+    .await;
+    assert_replay_of(&second, &first, "second delivery of evt_1");
+    assert_eq!(up.total(), 1, "one execution for one event");
+    let e = &up.execs()[0];
+    assert_eq!(e.headers["x-delivery-attempt"], "1");
+    assert_eq!(
+        e.body,
+        body.as_bytes(),
+        "the body reaches the upstream as sent"
+    );
+    assert!(
+        !e.headers.contains_key("idempotency-key"),
+        "the gateway adds no Idempotency-Key"
+    );
+
+    // Another event is another key.
+    let other = send(
+        &c,
+        &gw,
+        "POST",
+        "/webhooks/psp",
+        &[("x-delivery-attempt", "1")],
+        &event("evt_2", 1000, "2026-12-02T06:00:00Z"),
+    )
+    .await;
+    assert_executed(&other, 201, "evt_2");
+    assert_eq!(up.total(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_excluded_field_may_differ() {
+    let up = Echo::start().await;
+    let gw = Gw::start("webhook-exclude", &up, "", WEBHOOKS).await;
+    let c = client();
+    let first = post(
+        &c,
+        &gw,
+        "/webhooks/psp",
+        None,
+        &event("evt_1", 1000, "2026-12-02T06:00:00Z"),
+    )
+    .await;
+    assert_executed(&first, 201, "first delivery");
+    let later = post(
+        &c,
+        &gw,
+        "/webhooks/psp",
+        None,
+        &event("evt_1", 1000, "2026-12-02T06:05:00Z"),
+    )
+    .await;
+    assert_replay_of(
+        &later,
+        &first,
+        "redelivery with another delivered_at (excluded from the fingerprint)",
+    );
+    assert_eq!(up.total(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_same_event_with_another_amount_is_422() {
+    let up = Echo::start().await;
+    let gw = Gw::start("webhook-mismatch", &up, "", WEBHOOKS).await;
+    let c = client();
+    let first = post(
+        &c,
+        &gw,
+        "/webhooks/psp",
+        None,
+        &event("evt_1", 1000, "2026-12-02T06:00:00Z"),
+    )
+    .await;
+    assert_executed(&first, 201, "first delivery");
+    let changed = post(
+        &c,
+        &gw,
+        "/webhooks/psp",
+        None,
+        &event("evt_1", 9999, "2026-12-02T06:00:00Z"),
+    )
+    .await;
+    assert_problem(
+        &changed,
+        422,
+        Some("key-mismatch"),
+        "evt_1 with another amount",
+    );
+    assert_eq!(up.total(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_without_the_key_is_refused_when_the_route_requires_one() {
+    let up = Echo::start().await;
+    let routes = WEBHOOKS.replace("key_json_pointer", "require_key = true\nkey_json_pointer");
+    let gw = Gw::start("webhook-required", &up, "", &routes).await;
+    let c = client();
+
+    let missing = post(
+        &c,
+        &gw,
+        "/webhooks/psp",
+        None,
+        r#"{"type":"ping","delivered_at":"2026-12-02T06:00:00Z"}"#,
+    )
+    .await;
+    assert_problem(
+        &missing,
+        400,
+        Some("key-required"),
+        "a body without /event_id",
+    );
+    assert!(
+        missing.json()["detail"]
+            .as_str()
+            .unwrap_or("")
+            .contains("/event_id"),
+        "a clear problem names the JSON Pointer it looked for: {missing:?}"
+    );
+
+    let not_json = send(
+        &c,
+        &gw,
+        "POST",
+        "/webhooks/psp",
+        &[("content-type", "text/plain")],
+        "event_id=evt_1",
+    )
+    .await;
+    assert_problem(&not_json, 400, None, "a body that is not JSON");
+    let broken = post(&c, &gw, "/webhooks/psp", None, r#"{"event_id":"evt_1","#).await;
+    assert_problem(&broken, 400, None, "malformed JSON");
+
+    // A header does not stand in for the body's key on this route.
+    let header_only = post(
+        &c,
+        &gw,
+        "/webhooks/psp",
+        Some("evt_h"),
+        r#"{"type":"ping"}"#,
+    )
+    .await;
+    assert_problem(
+        &header_only,
+        400,
+        Some("key-required"),
+        "an Idempotency-Key header where the key comes from the body",
+    );
+    assert_eq!(up.total(), 0, "nothing refused reaches the upstream");
+
+    // With the member, it runs.
+    let ok = post(
+        &c,
+        &gw,
+        "/webhooks/psp",
+        None,
+        &event("evt_1", 5, "2026-12-02T06:00:00Z"),
+    )
+    .await;
+    assert_executed(&ok, 201, "a body with /event_id");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_without_the_key_passes_through_when_the_route_does_not_require_one() {
+    let up = Echo::start().await;
+    let gw = Gw::start("webhook-optional", &up, "", WEBHOOKS).await;
+    let c = client();
+    let body = r#"{"type":"ping","delivered_at":"2026-12-02T06:00:00Z"}"#;
+    for attempt in 1..=2 {
+        let got = post(&c, &gw, "/webhooks/psp", None, body).await;
+        assert_executed(&got, 201, &format!("keyless body, attempt {attempt}"));
+    }
+    assert_eq!(up.total(), 2, "no key: each delivery runs (passed through)");
+    for attempt in 1..=2 {
+        let got = send(
+            &c,
+            &gw,
+            "POST",
+            "/webhooks/psp",
+            &[("content-type", "text/plain")],
+            "event_id=evt_1",
+        )
+        .await;
+        assert_executed(
+            &got,
+            201,
+            &format!("a body that is not JSON, attempt {attempt}"),
+        );
+    }
+    assert_eq!(up.total(), 4, "not JSON: passed through, no replay");
+}
+
+// ------------------------------------------------------------- precedence
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_matching_route_wins() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "refunds"
+path = "/payments/{id}/refunds"
+guard = false
+
+[[routes]]
+name = "payments"
+path = "/payments"
+require_key = true
+
+[[routes]]
+name = "archive"
+path = "/payments/archive"
+guard = false
+"#;
+    let gw = Gw::start("precedence", &up, "", routes).await;
+    let c = client();
+
+    // The specific route listed first wins over the broader one.
+    let refund = post(&c, &gw, "/payments/p1/refunds", None, r#"{"amount":1}"#).await;
+    assert_executed(
+        &refund,
+        201,
+        "keyless POST under the unguarded refunds route",
+    );
+    for _ in 0..2 {
+        let got = post(&c, &gw, "/payments/p1/refunds/r9", Some("k-ref"), "{}").await;
+        assert_executed(&got, 201, "refunds is passed through: no replay");
+    }
+    assert_eq!(up.on("/payments/p1/refunds"), 3);
+
+    // `{id}` is exactly one segment: these are payments requests.
+    for path in [
+        "/payments/refunds",
+        "/payments/p1/x/refunds",
+        "/payments/p1",
+    ] {
+        let got = post(&c, &gw, path, None, "{}").await;
+        assert_problem(
+            &got,
+            400,
+            Some("key-required"),
+            &format!("keyless POST {path}"),
+        );
+    }
+    // Listed after the broader payments route, archive never matches.
+    let archive = post(&c, &gw, "/payments/archive", None, "{}").await;
+    assert_problem(
+        &archive,
+        400,
+        Some("key-required"),
+        "a route shadowed by an earlier, broader one",
+    );
+    let first = post(&c, &gw, "/payments/archive", Some("k-arch"), "{}").await;
+    assert_executed(&first, 201, "archive under the payments rules");
+    let again = post(&c, &gw, "/payments/archive", Some("k-arch"), "{}").await;
+    assert_replay_of(&again, &first, "archive is guarded by payments");
+    assert_eq!(up.on("/payments/archive"), 1);
+    // Outside every route: the top-level rules (no key required).
+    let other = post(&c, &gw, "/orders", None, "{}").await;
+    assert_executed(&other, 201, "default route");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_covers_only_its_methods() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+methods = ["POST"]
+path = "/payments"
+require_key = true
+
+[[routes]]
+name = "edits"
+methods = ["PATCH"]
+path = "/payments/{id}"
+guard = false
+"#;
+    let gw = Gw::start("methods", &up, "", routes).await;
+    let c = client();
+
+    let post_nokey = post(&c, &gw, "/payments/7", None, "{}").await;
+    assert_problem(
+        &post_nokey,
+        400,
+        Some("key-required"),
+        "keyless POST /payments/7",
+    );
+
+    // PATCH is not the payments route's: the next route (edits, unguarded).
+    for _ in 0..2 {
+        let got = send(
+            &c,
+            &gw,
+            "PATCH",
+            "/payments/7",
+            &[("idempotency-key", "k-edit")],
+            "{}",
+        )
+        .await;
+        assert_executed(&got, 201, "PATCH /payments/7 under edits");
+    }
+    assert_eq!(up.on("/payments/7"), 2, "edits passes PATCH through");
+    assert!(up
+        .execs()
+        .iter()
+        .filter(|e| e.path == "/payments/7")
+        .all(|e| e.method == "PATCH"));
+
+    // PATCH /payments matches neither: the default rules (PATCH guarded,
+    // no key required).
+    let nokey = send(&c, &gw, "PATCH", "/payments", &[], "{}").await;
+    assert_executed(
+        &nokey,
+        201,
+        "keyless PATCH /payments under the default route",
+    );
+    let first = send(
+        &c,
+        &gw,
+        "PATCH",
+        "/payments",
+        &[("idempotency-key", "k-p")],
+        "{}",
+    )
+    .await;
+    assert_executed(&first, 201, "PATCH /payments with a key");
+    let again = send(
+        &c,
+        &gw,
+        "PATCH",
+        "/payments",
+        &[("idempotency-key", "k-p")],
+        "{}",
+    )
+    .await;
+    assert_replay_of(&again, &first, "the default route guards PATCH");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_spelling_of_the_path_gets_the_payments_rules() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+require_key = true
+"#;
+    let gw = Gw::start("spellings", &up, "", routes).await;
+    let c = client();
+    for path in [
+        "/payments",
+        "/PAYMENTS",
+        "/Payments/42",
+        "/%70ayments",
+        "/%50AYMENTS/42",
+        "//payments",
+        "/./payments",
+    ] {
+        let got = post(&c, &gw, path, None, "{}").await;
+        assert_problem(
+            &got,
+            400,
+            Some("key-required"),
+            &format!("keyless POST {path}"),
+        );
+    }
+    assert_eq!(up.total(), 0, "{:?}", up.execs());
+    let other = post(&c, &gw, "/paymentsx", None, "{}").await;
+    assert_executed(&other, 201, "/paymentsx is not under /payments");
+}
+
+// ------------------------------------------------------ per-route settings
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_key_on_one_route_only() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+require_key = true
+
+[[routes]]
+name = "carts"
+path = "/carts"
+"#;
+    let gw = Gw::start("require-key", &up, "", routes).await;
+    let c = client();
+    let pay = post(&c, &gw, "/payments", None, r#"{"amount":1}"#).await;
+    assert_problem(&pay, 400, Some("key-required"), "keyless POST /payments");
+    assert_eq!(up.total(), 0);
+    let cart = post(&c, &gw, "/carts", None, r#"{"item":1}"#).await;
+    assert_executed(&cart, 201, "keyless POST /carts");
+    let other = post(&c, &gw, "/orders", None, r#"{"item":1}"#).await;
+    assert_executed(&other, 201, "keyless POST under the default route");
+    assert_eq!(up.total(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_key_at_the_top_and_off_on_one_route() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "carts"
+path = "/carts"
+require_key = false
+"#;
+    let gw = Gw::start("require-key-top", &up, "require_key = true", routes).await;
+    let c = client();
+    let cart = post(&c, &gw, "/carts", None, "{}").await;
+    assert_executed(&cart, 201, "keyless POST /carts (the route says no)");
+    let other = post(&c, &gw, "/orders", None, "{}").await;
+    assert_problem(
+        &other,
+        400,
+        Some("key-required"),
+        "keyless POST under the top-level rule",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unguarded_route_is_passed_through() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "carts"
+path = "/carts"
+guard = false
+"#;
+    let gw = Gw::start("guard-false", &up, "", routes).await;
+    let c = client();
+    for i in 0..2 {
+        let got = post(&c, &gw, "/carts/1", Some("k-cart"), r#"{"item":1}"#).await;
+        assert_executed(&got, 201, &format!("cart {i}"));
+        assert!(
+            got.headers.get("idempotent-replayed").is_none(),
+            "no Idempotent-Replayed at all on an unguarded route: {got:?}"
+        );
+    }
+    assert_eq!(up.on("/carts"), 2, "guard = false: both run");
+    for e in up.execs() {
+        assert_eq!(
+            e.headers["idempotency-key"], "k-cart",
+            "the key reaches the upstream untouched"
+        );
+    }
+    // The same key elsewhere is guarded.
+    let first = post(&c, &gw, "/orders", Some("k-cart"), "{}").await;
+    assert_executed(&first, 201, "default route");
+    let again = post(&c, &gw, "/orders", Some("k-cart"), "{}").await;
+    assert_replay_of(&again, &first, "default route replays");
+    assert_eq!(up.total(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_per_route_is_the_stored_expiry() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite_store(dir.path());
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "short"
+path = "/short"
+ttl = "2h"
+"#;
+    let gw = Gw::start_in(dir, "ttl", &up, Some(&store), r#"ttl = "48h""#, routes).await;
+    let c = client();
+    let before = now_ms();
+    assert_executed(
+        &post(&c, &gw, "/short", Some("k-short"), "{}").await,
+        201,
+        "short",
+    );
+    assert_executed(
+        &post(&c, &gw, "/long", Some("k-long"), "{}").await,
+        201,
+        "default",
+    );
+    let after = now_ms();
+    let expires = |key: &str| {
+        let r = record(&store, key);
+        assert_eq!(r["state"], "completed", "{r}");
+        r["expires_at_ms"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no expires_at_ms: {r}"))
+    };
+    let hour = 3_600_000;
+    let short = expires("k-short");
+    assert!(
+        short >= before + 2 * hour - 1000 && short <= after + 2 * hour + 1000,
+        "the short route's ttl is 2h: expires {} ms from now",
+        short.saturating_sub(after)
+    );
+    let long = expires("k-long");
+    assert!(
+        long >= before + 48 * hour - 1000 && long <= after + 48 * hour + 1000,
+        "the default route's ttl is the top-level 48h: expires {} ms from now",
+        long.saturating_sub(after)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_per_route_is_the_held_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite_store(dir.path());
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+lease = "8s"
+"#;
+    let gw = Gw::start_in(dir, "lease", &up, Some(&store), r#"lease = "40s""#, routes).await;
+    let c = client();
+    let slow = |path: &'static str, key: &'static str| {
+        let c = c.clone();
+        let url = gw.url(path);
+        tokio::spawn(async move {
+            c.post(url)
+                .header("idempotency-key", key)
+                .header("content-type", "application/json")
+                .header("x-sleep-ms", "2500")
+                .body("{}")
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    let a = slow("/payments", "k-pay");
+    let b = slow("/orders", "k-ord");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while up.total() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the upstream was not called:\n{}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let now = now_ms();
+    let lease_left = |key: &str| {
+        let r = record(&store, key);
+        assert_eq!(r["state"], "in-flight", "{r}");
+        r["lease_until_ms"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no lease_until_ms: {r}"))
+            .saturating_sub(now)
+    };
+    let pay = lease_left("k-pay");
+    assert!(
+        (3_000..=9_000).contains(&pay),
+        "the payments route's lease is 8s: {pay} ms left"
+    );
+    let ord = lease_left("k-ord");
+    assert!(
+        (30_000..=41_000).contains(&ord),
+        "the default route's lease is the top-level 40s: {ord} ms left"
+    );
+    assert_eq!(a.await.unwrap().unwrap(), 201);
+    assert_eq!(b.await.unwrap().unwrap(), 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_per_route() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+wait = "10s"
+"#;
+    let gw = Gw::start("wait", &up, "", routes).await;
+    let c = client();
+    for (path, key) in [("/payments", "k-w1"), ("/orders", "k-w2")] {
+        let original = {
+            let c = c.clone();
+            let url = gw.url(path);
+            tokio::spawn(async move {
+                c.post(url)
+                    .header("idempotency-key", key)
+                    .header("content-type", "application/json")
+                    .header("x-sleep-ms", "1200")
+                    .body("{}")
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while up.on(path) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{path}: not called:\n{}",
+                gw.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let dup = send(
+            &c,
+            &gw,
+            "POST",
+            path,
+            &[("idempotency-key", key), ("x-sleep-ms", "1200")],
+            "{}",
+        )
+        .await;
+        if path == "/payments" {
+            assert_eq!(dup.status, 201, "wait = 10s: the duplicate waits: {dup:?}");
+            assert!(dup.replayed, "and gets the replay: {dup:?}");
+        } else {
+            assert_problem(&dup, 409, Some("in-flight"), "default wait 0: 409 at once");
+        }
+        assert_eq!(original.await.unwrap(), 201);
+        assert_eq!(up.on(path), 1, "{path}: one execution");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_5xx_replays_a_500_on_its_route_only() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+status_policy = "store-5xx"
+"#;
+    let gw = Gw::start("store-5xx", &up, "", routes).await;
+    let c = client();
+    let fail = [("idempotency-key", "k-500"), ("x-status", "500")];
+    let first = send(&c, &gw, "POST", "/payments", &fail, "{}").await;
+    assert_executed(&first, 500, "payments 500");
+    let again = send(&c, &gw, "POST", "/payments", &fail, "{}").await;
+    assert_replay_of(&again, &first, "store-5xx: the 500 is replayed");
+    assert_eq!(up.on("/payments"), 1);
+
+    let first = send(&c, &gw, "POST", "/orders", &fail, "{}").await;
+    assert_executed(&first, 500, "default 500");
+    let again = send(&c, &gw, "POST", "/orders", &fail, "{}").await;
+    assert_executed(
+        &again,
+        500,
+        "default policy: a 500 is released, the retry runs",
+    );
+    assert_eq!(up.on("/orders"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_override_holds_a_504() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+statuses = { "504" = "hold" }
+"#;
+    let gw = Gw::start("hold-504", &up, "", routes).await;
+    let c = client();
+    let timeout = [("idempotency-key", "k-504"), ("x-status", "504")];
+    let first = send(&c, &gw, "POST", "/payments", &timeout, "{}").await;
+    assert_eq!(first.status, 504, "{first:?}");
+    let again = send(&c, &gw, "POST", "/payments", &timeout, "{}").await;
+    assert_problem(
+        &again,
+        409,
+        Some("in-flight"),
+        "504 held: the key stays in flight",
+    );
+    assert_eq!(up.on("/payments"), 1, "held: the retry does not run");
+
+    let first = send(&c, &gw, "POST", "/orders", &timeout, "{}").await;
+    assert_eq!(first.status, 504, "{first:?}");
+    let again = send(&c, &gw, "POST", "/orders", &timeout, "{}").await;
+    assert_executed(&again, 504, "default policy: an upstream 504 is released");
+    assert_eq!(up.on("/orders"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_body_per_route() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "small"
+path = "/small"
+max_body = "1KiB"
+"#;
+    let gw = Gw::start("max-body", &up, "", routes).await;
+    let c = client();
+    let big = serde_json::json!({ "blob": "y".repeat(4000) }).to_string();
+    let refused = post(&c, &gw, "/small", Some("k-big"), &big).await;
+    assert_problem(
+        &refused,
+        413,
+        Some("body-too-large"),
+        "4 kB on a 1 KiB route",
+    );
+    assert_eq!(up.total(), 0);
+    let fits = post(&c, &gw, "/small", Some("k-small"), r#"{"blob":"y"}"#).await;
+    assert_executed(&fits, 201, "a small body on the small route");
+    let elsewhere = post(&c, &gw, "/large", Some("k-big"), &big).await;
+    assert_executed(&elsewhere, 201, "4 kB under the default 10 MiB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_limit_per_route() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "reports"
+path = "/reports"
+retention_limit = "1KiB"
+"#;
+    let gw = Gw::start("retention", &up, "", routes).await;
+    let c = client();
+    let big = [("idempotency-key", "k-rep"), ("x-size", "4096")];
+    let first = send(&c, &gw, "POST", "/reports", &big, "{}").await;
+    assert_executed(&first, 201, "a 4 kB answer reaches its first caller");
+    assert!(first.body.len() >= 4096);
+    let again = send(&c, &gw, "POST", "/reports", &big, "{}").await;
+    assert_problem(
+        &again,
+        410,
+        Some("response-not-retained"),
+        "past the route's 1 KiB",
+    );
+    assert_eq!(up.on("/reports"), 1, "not run again");
+
+    let first = send(&c, &gw, "POST", "/other", &big, "{}").await;
+    assert_executed(&first, 201, "default route");
+    let again = send(&c, &gw, "POST", "/other", &big, "{}").await;
+    assert_replay_of(&again, &first, "under the default 1 MiB the answer is kept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scope_headers_per_route() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+scope_headers = ["x-api-key"]
+"#;
+    let gw = Gw::start("scope", &up, "", routes).await;
+    let c = client();
+    let as_caller = |api: &'static str| [("idempotency-key", "k-shared"), ("x-api-key", api)];
+    let alice = send(&c, &gw, "POST", "/payments", &as_caller("alice"), "{}").await;
+    let bob = send(&c, &gw, "POST", "/payments", &as_caller("bob"), "{}").await;
+    assert_executed(&alice, 201, "alice");
+    assert_executed(&bob, 201, "bob: another scope on this route");
+    let alice2 = send(&c, &gw, "POST", "/payments", &as_caller("alice"), "{}").await;
+    assert_replay_of(&alice2, &alice, "alice again");
+    assert_eq!(up.on("/payments"), 2);
+
+    // The default route scopes by Authorization: neither sends one, so the
+    // two share the anonymous scope.
+    let alice = send(&c, &gw, "POST", "/orders", &as_caller("alice"), "{}").await;
+    let bob = send(&c, &gw, "POST", "/orders", &as_caller("bob"), "{}").await;
+    assert_executed(&alice, 201, "alice on the default route");
+    assert_replay_of(
+        &bob,
+        &alice,
+        "bob shares alice's scope on the default route",
+    );
+    assert_eq!(up.on("/orders"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ignored_query_parameters_do_not_count() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "search"
+path = "/search"
+fingerprint_ignore_query = ["utm_source"]
+"#;
+    let gw = Gw::start("ignore-query", &up, "", routes).await;
+    let c = client();
+    let first = post(&c, &gw, "/search?page=1&utm_source=mail", Some("k-q"), "{}").await;
+    assert_executed(&first, 201, "first");
+    let other_utm = post(&c, &gw, "/search?page=1&utm_source=ads", Some("k-q"), "{}").await;
+    assert_replay_of(&other_utm, &first, "another utm_source only");
+    let no_utm = post(&c, &gw, "/search?page=1", Some("k-q"), "{}").await;
+    assert_replay_of(&no_utm, &first, "without utm_source");
+    let other_page = post(&c, &gw, "/search?page=2&utm_source=mail", Some("k-q"), "{}").await;
+    assert_problem(&other_page, 422, Some("key-mismatch"), "another page");
+    assert_eq!(up.on("/search"), 1);
+    assert_eq!(
+        up.execs()[0].query.as_deref(),
+        Some("page=1&utm_source=mail"),
+        "an ignored parameter still reaches the upstream"
+    );
+
+    // Elsewhere every parameter counts.
+    let first = post(&c, &gw, "/orders?utm_source=mail", Some("k-q"), "{}").await;
+    assert_executed(&first, 201, "default route");
+    let other = post(&c, &gw, "/orders?utm_source=ads", Some("k-q"), "{}").await;
+    assert_problem(
+        &other,
+        422,
+        Some("key-mismatch"),
+        "default route, another utm_source",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_header_per_route() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "jobs"
+path = "/jobs"
+key_header = "X-Request-Id"
+"#;
+    let gw = Gw::start("key-header", &up, "", routes).await;
+    let c = client();
+    let first = send(&c, &gw, "POST", "/jobs", &[("x-request-id", "req-1")], "{}").await;
+    assert_executed(&first, 201, "first with X-Request-Id");
+    let again = send(&c, &gw, "POST", "/jobs", &[("X-Request-Id", "req-1")], "{}").await;
+    assert_replay_of(&again, &first, "same X-Request-Id");
+    assert_eq!(up.on("/jobs"), 1);
+    // On this route Idempotency-Key is just a header: no key, passed through.
+    for _ in 0..2 {
+        let got = post(&c, &gw, "/jobs", Some("k-j"), "{}").await;
+        assert_executed(&got, 201, "Idempotency-Key only, on the X-Request-Id route");
+    }
+    assert_eq!(up.on("/jobs"), 3);
+    // Elsewhere X-Request-Id is not a key.
+    for _ in 0..2 {
+        let got = send(
+            &c,
+            &gw,
+            "POST",
+            "/orders",
+            &[("x-request-id", "req-1")],
+            "{}",
+        )
+        .await;
+        assert_executed(&got, 201, "X-Request-Id on the default route");
+    }
+    assert_eq!(up.on("/orders"), 2);
+}
+
+// ------------------------------------------------------ logs and metrics
+
+/// Whether a log line names the route `name` (text format: `route="name"`,
+/// or `route=name`).
+fn names_route(line: &str, name: &str) -> bool {
+    line.contains(&format!("route=\"{name}\"")) || line.contains(&format!("route={name} "))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_route_name_is_in_logs_and_metrics() {
+    use prometheus_parse::{Scrape, Value};
+
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+"#;
+    let gw = Gw::start("names", &up, "", routes).await;
+    let c = client();
+    let first = post(&c, &gw, "/payments", Some("k-log-1"), "{}").await;
+    assert_executed(&first, 201, "payments");
+    let again = post(&c, &gw, "/payments", Some("k-log-1"), "{}").await;
+    assert!(again.replayed, "{again:?}");
+    assert_executed(
+        &post(&c, &gw, "/orders", Some("k-log-2"), "{}").await,
+        201,
+        "default",
+    );
+
+    // The per-request log lines (written after the answer: poll briefly).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let log = gw.proc.logs();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("k-log-1") || l.contains("k-log-2"))
+            .collect();
+        let pay = lines
+            .iter()
+            .filter(|l| l.contains("k-log-1") && names_route(l, "payments"))
+            .count();
+        let default = lines
+            .iter()
+            .filter(|l| l.contains("k-log-2") && names_route(l, "default"))
+            .count();
+        if pay >= 2 && default >= 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "two request lines with route=\"payments\" and one with route=\"default\" \
+             expected; the lines of these keys:\n{}\n{}",
+            lines.join("\n"),
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let text = c
+        .get(format!("http://{}/metrics", gw.proc.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let s = Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap();
+    let value = |outcome: &str, route: &str| -> f64 {
+        s.samples
+            .iter()
+            .filter(|x| x.metric == "idem_requests_total")
+            .filter(|x| {
+                x.labels.get("outcome") == Some(outcome) && x.labels.get("route") == Some(route)
+            })
+            .map(|x| match x.value {
+                Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
+                _ => 0.0,
+            })
+            .sum()
+    };
+    let series: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("idem_requests_total"))
+        .collect();
+    assert_eq!(
+        value("executed", "payments"),
+        1.0,
+        "idem_requests_total{{outcome=\"executed\",route=\"payments\"}}:\n{}",
+        series.join("\n")
+    );
+    assert_eq!(value("replayed", "payments"), 1.0, "{}", series.join("\n"));
+    assert_eq!(value("executed", "default"), 1.0, "{}", series.join("\n"));
+}
+
+// ------------------------------------------------------------ the example
+
+/// `examples/config/idem.toml`.
+fn example() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/config/idem.toml")
+}
+
+#[test]
+fn the_example_passes_config_check() {
+    let file = example();
+    assert!(file.exists(), "{} is missing", file.display());
+    let out = idem()
+        .args(["config", "check"])
+        .arg(&file)
+        .output()
+        .expect("run idem config check");
+    let (stdout, stderr) = support::succeeded(&out, "idem config check examples/config/idem.toml");
+    let at = |name: &str| {
+        stdout
+            .find(name)
+            .unwrap_or_else(|| panic!("{name} is not in the check's output:\n{stdout}\n{stderr}"))
+    };
+    assert!(
+        at("payments") < at("carts") && at("carts") < at("webhooks"),
+        "routes in match order:\n{stdout}"
+    );
+}
+
+#[test]
+fn config_check_refuses_a_bad_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "unknown-key",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nttll = \"24h\"\n",
+            "ttll",
+        ),
+        (
+            "bad-path",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"payments\"\npath = \"payments\"\n",
+            "payments",
+        ),
+        (
+            "bad-status",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nstatuses = { \"5x\" = \"hold\" }\n",
+            "5x",
+        ),
+    ];
+    for (name, text, named) in cases {
+        let file = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, text).unwrap();
+        let out = idem()
+            .args(["config", "check"])
+            .arg(&file)
+            .output()
+            .expect("run idem config check");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !out.status.success(),
+            "{name}: a bad file must fail the check:\n{stdout}\n{stderr}"
+        );
+        assert!(
+            stderr.contains(named) || stdout.contains(named),
+            "{name}: the error names {named:?}:\n{stdout}\n{stderr}"
+        );
+        assert!(
+            !stderr.contains("panicked"),
+            "{name}: a clear error, not a panic:\n{stderr}"
+        );
+    }
+    // The unknown key's line number (line 6).
+    let out = idem()
+        .args(["config", "check"])
+        .arg(dir.path().join("unknown-key.toml"))
+        .output()
+        .unwrap();
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(all.contains('6'), "the line of `ttll` (6) is named:\n{all}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_runs_its_three_routes() {
+    let up = Echo::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = example().display().to_string();
+    // Flags override the file: the test's upstream and an in-memory store.
+    let gw = GatewayProc::start(
+        dir.path(),
+        "example",
+        &[
+            "--config",
+            &file,
+            "--upstream",
+            &up.url,
+            "--store",
+            "memory://",
+        ],
+    )
+    .await;
+    let gw = Gw {
+        proc: gw,
+        _dir: dir,
+        config: example(),
+    };
+    let c = client();
+
+    // payments: a key is required; with one, a retry is a replay.
+    let nokey = post(&c, &gw, "/payments", None, r#"{"amount":10}"#).await;
+    assert_problem(&nokey, 400, Some("key-required"), "keyless POST /payments");
+    let first = post(&c, &gw, "/payments", Some("pay-1"), r#"{"amount":10}"#).await;
+    assert_executed(&first, 201, "payment");
+    let again = post(&c, &gw, "/payments", Some("pay-1"), r#"{"amount":10}"#).await;
+    assert_replay_of(&again, &first, "payment retry");
+    assert_eq!(up.on("/payments"), 1);
+
+    // carts: passed through.
+    for _ in 0..2 {
+        let got = post(&c, &gw, "/carts/1/items", Some("cart-1"), r#"{"sku":"a"}"#).await;
+        assert_executed(&got, 201, "cart");
+    }
+    assert_eq!(up.on("/carts"), 2);
+
+    // webhooks: the key is the body's event_id; delivered_at does not count.
+    let d1 = send(
+        &c,
+        &gw,
+        "POST",
+        "/webhooks/psp",
+        &[("x-delivery-attempt", "1")],
+        &event("evt_9", 10, "2026-12-02T06:00:00Z"),
+    )
+    .await;
+    assert_executed(&d1, 201, "delivery 1");
+    let d2 = send(
+        &c,
+        &gw,
+        "POST",
+        "/webhooks/psp",
+        &[("x-delivery-attempt", "2")],
+        &event("evt_9", 10, "2026-12-02T06:01:00Z"),
+    )
+    .await;
+    assert_replay_of(&d2, &d1, "delivery 2");
+    assert_eq!(up.on("/webhooks"), 1);
+}
