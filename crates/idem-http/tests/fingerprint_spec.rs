@@ -764,3 +764,102 @@ proptest! {
         prop_assert_eq!(plain(&a) == plain(&b), with(&a) == with(&b));
     }
 }
+
+/// Any spec (valid or not), with random parts switched off and random
+/// lists, over random requests.
+fn arb_spec() -> impl Strategy<Value = FingerprintSpec> {
+    let pointer = prop_oneof![
+        "(/[a-z0-9~-]{0,3}){0,3}",
+        Just(String::new()),
+        "[a-z~/]{0,4}",
+    ];
+    (
+        any::<[bool; 4]>(),
+        prop::collection::vec("[a-z%+_]{0,4}", 0..3),
+        prop::collection::vec(
+            prop::sample::select(vec!["x-a", "x-b", "content-type"]),
+            0..3,
+        ),
+        prop::collection::vec(pointer.clone(), 0..3),
+        prop::collection::vec(pointer, 0..3),
+        "[a-z]{0,4}",
+    )
+        .prop_map(
+            |([method, path, query, body], iq, h, exclude, include, route)| FingerprintSpec {
+                method,
+                path,
+                query,
+                ignore_query: iq,
+                headers: h.into_iter().map(HeaderName::from_static).collect(),
+                body,
+                exclude,
+                include,
+                route,
+            },
+        )
+}
+
+fn arb_json_body() -> impl Strategy<Value = String> {
+    let leaf = prop_oneof![
+        Just("null".to_owned()),
+        Just("1".to_owned()),
+        Just("1.5".to_owned()),
+        Just("9007199254740993".to_owned()),
+        Just(r#""s""#.to_owned()),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(|v| format!("[{}]", v.join(","))),
+            prop::collection::vec(("[a-z0-9~/-]{0,2}", inner), 0..4).prop_map(|m| {
+                let members: Vec<String> = m
+                    .into_iter()
+                    .map(|(k, v)| format!("{}:{v}", serde_json::to_string(&k).unwrap()))
+                    .collect();
+                format!("{{{}}}", members.join(","))
+            }),
+        ]
+    })
+}
+
+proptest! {
+    /// No spec and no request make the fingerprint panic, and it is a
+    /// function of its inputs.
+    #[test]
+    fn any_spec_fingerprints_without_panicking(
+        spec in arb_spec(),
+        query in prop::option::of("[a-z%+_=&]{0,12}"),
+        body in prop_oneof![arb_json_body(), "\\PC{0,16}"],
+        json in any::<bool>(),
+        header_values in prop::collection::vec((prop::sample::select(vec!["x-a", "x-b"]), "[a-z]{0,3}"), 0..3),
+    ) {
+        let uri: Uri = match &query { Some(q) => format!("/p?{q}"), None => "/p".into() }.parse().unwrap();
+        let mut h = HeaderMap::new();
+        if json {
+            h.insert("content-type", HeaderValue::from_static("application/json"));
+        }
+        for (n, v) in &header_values {
+            h.append(*n, HeaderValue::from_str(v).unwrap());
+        }
+        let a = request_fingerprint_with(&spec, &Method::POST, &uri, &h, body.as_bytes());
+        prop_assert_eq!(a, request_fingerprint_with(&spec, &Method::POST, &uri, &h, body.as_bytes()));
+        if !spec.is_default() {
+            prop_assert_ne!(a, request_fingerprint(&Method::POST, &uri, &h, body.as_bytes()));
+        }
+    }
+
+    /// With `exclude`, a JSON body and its canonical form fingerprint the
+    /// same (what is left is canonicalised as RFC 8785 says).
+    #[test]
+    fn exclude_keeps_canonicalisation(
+        body in arb_json_body(),
+        exclude in prop::collection::vec("(/[a-z0-9~-]{0,2}){1,3}".prop_filter("RFC 6901", |p| idem_http::body_key::validate_pointer(p).is_ok()), 1..3),
+    ) {
+        let s = FingerprintSpec { exclude, ..FingerprintSpec::default() };
+        if let Some(canonical) = idem_http::fingerprint::canonical_json(body.as_bytes()) {
+            let spaced = body.replace(',', " ,\n ").replace(':', " : ");
+            let canonical = String::from_utf8(canonical).unwrap();
+            prop_assert_eq!(fp(&s, "/p", &body), fp(&s, "/p", &canonical));
+            prop_assert_eq!(fp(&s, "/p", &body), fp(&s, "/p", &spaced));
+        }
+    }
+}
