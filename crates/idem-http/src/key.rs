@@ -98,7 +98,20 @@ pub fn key_header_value(key: &IdempotencyKey) -> Option<HeaderValue> {
 /// [`KeyHeaderError::Multiple`] for two or more fields; otherwise the errors
 /// of [`parse_key`].
 pub fn key_from_headers(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyHeaderError> {
-    let mut values = headers.get_all(&IDEMPOTENCY_KEY).iter();
+    key_from_header(headers, &IDEMPOTENCY_KEY)
+}
+
+/// The key of a request from the header `name`, parsed as the
+/// `Idempotency-Key` field ([`key_from_headers`]); for routes whose key
+/// comes in another header ([`crate::KeySource::Header`]).
+///
+/// # Errors
+/// As [`key_from_headers`].
+pub fn key_from_header(
+    headers: &HeaderMap,
+    name: &http::HeaderName,
+) -> Result<Option<IdempotencyKey>, KeyHeaderError> {
+    let mut values = headers.get_all(name).iter();
     let Some(first) = values.next() else {
         return Ok(None);
     };

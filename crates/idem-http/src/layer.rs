@@ -13,10 +13,12 @@ use crate::budget::BodyBudget;
 use crate::observe::{token_rejected, Observer, TokenRejection};
 use crate::options::{FailOpenGuard, Options};
 use crate::policy::{Disposition, StatusPolicy};
-use crate::routes::{Route, RouteError};
+use crate::routes::{Route, RouteError, Table};
 use crate::scope::ScopeBy;
 use crate::service::IdempotencyService;
 use crate::tokens::{TokenBudget, TokenIssueError};
+use arc_swap::ArcSwap;
+use std::sync::OnceLock;
 
 /// `with_*` setters that each set the [`Options`] field of their name
 /// (the doc comments written at the call pass through).
@@ -25,7 +27,7 @@ macro_rules! options_setters {
         $(#[$attr])*
         pub fn $name(mut self, $field: $ty) -> Self {
             self.options.$field = $field;
-            self
+            self.rebuilt()
         }
     )*};
 }
@@ -68,6 +70,11 @@ pub struct IdempotencyLayer {
     observer: Arc<Observer>,
     /// Per-route rules ([`IdempotencyLayer::with_routes`]).
     routes: Vec<Route>,
+    /// The rules in force, compiled from `options` and `routes` when the
+    /// first service is made, then swapped by [`IdempotencyLayer::reload`].
+    /// Shared by clones; every builder method starts a new one, so a
+    /// clone built on never changes the services of the original.
+    rules: Arc<OnceLock<Arc<ArcSwap<Table>>>>,
 }
 
 impl IdempotencyLayer {
@@ -91,9 +98,34 @@ impl IdempotencyLayer {
             options,
             tracker: TaskTracker::new(),
             live_tokens: Arc::default(),
-            observer: Arc::new(Observer::new()),
+            observer: Arc::new(Observer::for_route(crate::routes::DEFAULT_ROUTE)),
             routes: Vec::new(),
+            rules: Arc::default(),
         }
+    }
+
+    /// The layer-wide settings, for a new service.
+    fn layer_options(&self) -> Arc<Options> {
+        Arc::new(self.options.clone())
+    }
+
+    /// This layer with its rules to be compiled again (after a builder
+    /// changed a setting).
+    fn rebuilt(mut self) -> Self {
+        self.rules = Arc::default();
+        self
+    }
+
+    /// The rules in force (compiled now if no service was made yet).
+    fn rules(&self) -> &Arc<ArcSwap<Table>> {
+        self.rules.get_or_init(|| {
+            Arc::new(ArcSwap::from_pointee(Table::new(
+                &self.store,
+                &self.options,
+                &self.options,
+                &self.routes,
+            )))
+        })
     }
 
     /// The tracker of the tasks that run guarded requests (shared by every
@@ -135,7 +167,7 @@ impl IdempotencyLayer {
     /// ```
     pub fn with_tracker(mut self, tracker: TaskTracker) -> Self {
         self.tracker = tracker;
-        self
+        self.rebuilt()
     }
 
     /// The store, as the layer uses it: the one given, wrapped in an
@@ -160,7 +192,7 @@ impl IdempotencyLayer {
     pub fn with_options(mut self, options: Options) -> Self {
         self.body_budget = BodyBudget::new(options.max_buffered);
         self.options = options;
-        self
+        self.rebuilt()
     }
 
     /// The most bytes of guarded request bodies held in memory at once by
@@ -177,7 +209,7 @@ impl IdempotencyLayer {
     pub fn with_max_buffered(mut self, max_buffered: usize) -> Self {
         self.options.max_buffered = max_buffered;
         self.body_budget = BodyBudget::new(max_buffered);
-        self
+        self.rebuilt()
     }
 
     /// Which statuses are stored, released or held, as a function of the
@@ -212,7 +244,7 @@ impl IdempotencyLayer {
     /// ```
     pub fn with_status_policy(mut self, policy: StatusPolicy) -> Self {
         self.options.policy = policy;
-        self
+        self.rebuilt()
     }
 
     /// Per-route rules ([`crate::routes`]): an ordered list, first match
@@ -223,7 +255,7 @@ impl IdempotencyLayer {
     pub fn with_routes(mut self, routes: Vec<Route>) -> Result<Self, RouteError> {
         crate::routes::validate_routes(&routes)?;
         self.routes = routes;
-        Ok(self)
+        Ok(self.rebuilt())
     }
 
     /// The routes given by [`IdempotencyLayer::with_routes`].
@@ -241,8 +273,18 @@ impl IdempotencyLayer {
     /// force stay.
     pub fn reload(&self, options: Options, routes: Vec<Route>) -> Result<(), RouteError> {
         crate::routes::validate_routes(&routes)?;
-        let _ = (options, routes);
-        // TODO(core): swap the compiled table.
+        options.validate().map_err(|e| RouteError::Invalid {
+            route: crate::routes::DEFAULT_ROUTE.into(),
+            reason: e.to_string(),
+        })?;
+        if options.methods.is_empty() {
+            return Err(RouteError::Invalid {
+                route: crate::routes::DEFAULT_ROUTE.into(),
+                reason: "no method".into(),
+            });
+        }
+        let table = Table::new(&self.store, &self.options, &options, &routes);
+        self.rules().store(Arc::new(table));
         Ok(())
     }
 
@@ -258,7 +300,7 @@ impl IdempotencyLayer {
     /// ```
     pub fn with_body_timeout(mut self, body_timeout: Duration) -> Self {
         self.options.body_timeout = body_timeout;
-        self
+        self.rebuilt()
     }
 
     options_setters! {
@@ -388,7 +430,7 @@ impl IdempotencyLayer {
         P: Into<String>,
     {
         self.options.require_token = prefixes.into_iter().map(Into::into).collect();
-        self
+        self.rebuilt()
     }
 
     options_setters! {
@@ -413,7 +455,7 @@ impl IdempotencyLayer {
     /// forwarded this way, so a retry during the outage runs again.
     pub fn with_fail_open(mut self, guard: Arc<dyn FailOpenGuard>) -> Self {
         self.options.fail_open = Some(guard);
-        self
+        self.rebuilt()
     }
 
     /// Submit tokens over this layer's store, with its lease and replay
@@ -481,14 +523,12 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let engine = Engine::with_config(self.store.clone(), self.options.engine_config());
         IdempotencyService::new(
             inner,
-            engine,
-            Arc::new(self.options.clone()),
+            self.rules().clone(),
+            self.layer_options(),
             self.tracker.clone(),
-            self.live_tokens.clone(),
-            (self.body_budget.clone(), self.observer.clone()),
+            (self.live_tokens.clone(), self.body_budget.clone()),
         )
     }
 }

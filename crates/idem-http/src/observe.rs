@@ -7,8 +7,8 @@
 //!
 //! | series | type | labels |
 //! |---|---|---|
-//! | `idem_requests_total` | counter | `outcome` ([`RequestOutcome`]) |
-//! | `idem_request_duration_seconds` | histogram, seconds | `outcome` |
+//! | `idem_requests_total` | counter | `outcome` ([`RequestOutcome`]), `route` ([`crate::routes`]: the matched route's name, else `default`) |
+//! | `idem_request_duration_seconds` | histogram, seconds | `outcome`, `route` |
 //! | `idem_in_flight` | gauge | — guarded requests being handled now |
 //! | `idem_tokens_issued_total` | counter | — |
 //! | `idem_tokens_rejected_total` | counter | `reason` ([`TokenRejection`]) |
@@ -33,10 +33,10 @@ use http::{Method, StatusCode};
 use idem_core::{key_hash, IdempotencyKey, Scope};
 use metrics::{Counter, Gauge, Histogram};
 
-/// Counter of handled requests, by `outcome`.
+/// Counter of handled requests, by `outcome` and `route`.
 pub const REQUESTS: &str = "idem_requests_total";
 /// Histogram of the time from a request's arrival at the layer to its
-/// response head, seconds, by `outcome`.
+/// response head, seconds, by `outcome` and `route`.
 pub const REQUEST_DURATION: &str = "idem_request_duration_seconds";
 /// Gauge of guarded requests being handled now (from the parsed key to
 /// the answer; a run whose client left counts until it is saved).
@@ -161,16 +161,6 @@ pub(crate) fn token_rejected(reason: TokenRejection) {
     metrics::counter!(TOKENS_REJECTED, "reason" => reason.as_str()).increment(1);
 }
 
-/// The route of a request in logs: `tokens` under a
-/// [`crate::Options::require_token`] prefix, else `default`.
-pub(crate) fn route_name(token: bool) -> &'static str {
-    if token {
-        "tokens"
-    } else {
-        "default"
-    }
-}
-
 /// A finished request, as [`Observer::finished`] takes it.
 #[derive(Debug)]
 pub(crate) struct Finished<'a> {
@@ -181,7 +171,8 @@ pub(crate) struct Finished<'a> {
     pub(crate) method: &'a Method,
     /// The normalised path.
     pub(crate) path: &'a str,
-    pub(crate) route: &'static str,
+    /// The route's name ([`crate::routes`]; `default` when none matched).
+    pub(crate) route: &'a str,
     /// The key as it goes in the log (`None`: no key).
     pub(crate) key: Option<&'a str>,
     /// The scoped key, for `key_hash`.
@@ -208,13 +199,16 @@ impl std::fmt::Debug for Observer {
 }
 
 impl Observer {
-    /// Registers the handles with the current recorder.
-    pub(crate) fn new() -> Self {
+    /// Registers the handles of the route `route` with the current recorder.
+    pub(crate) fn for_route(route: &str) -> Self {
+        let route = metrics::SharedString::from(route.to_owned());
         Self {
-            requests: RequestOutcome::ALL
-                .map(|o| metrics::counter!(REQUESTS, "outcome" => o.as_str())),
-            durations: RequestOutcome::ALL
-                .map(|o| metrics::histogram!(REQUEST_DURATION, "outcome" => o.as_str())),
+            requests: RequestOutcome::ALL.map(|o| {
+                metrics::counter!(REQUESTS, "outcome" => o.as_str(), "route" => route.clone())
+            }),
+            durations: RequestOutcome::ALL.map(|o| {
+                metrics::histogram!(REQUEST_DURATION, "outcome" => o.as_str(), "route" => route.clone())
+            }),
             in_flight: metrics::gauge!(IN_FLIGHT),
             tokens_issued: metrics::counter!(TOKENS_ISSUED),
         }

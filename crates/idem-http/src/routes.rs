@@ -15,8 +15,12 @@
 //! with [`crate::IdempotencyLayer::reload`]: a request keeps the rules it
 //! started with.
 
-use http::HeaderName;
+use std::sync::Arc;
 
+use http::{HeaderName, Method};
+use idem_core::{DynStore, Engine};
+
+use crate::observe::Observer;
 use crate::options::Options;
 use crate::path::{normalize_path, rule_form};
 
@@ -294,6 +298,160 @@ pub fn validate_routes(routes: &[Route]) -> Result<(), RouteError> {
         }
     }
     Ok(())
+}
+
+/// One route as the services apply it: its settings (layer-wide fields
+/// taken from the layer), its engine and its metric handles.
+#[derive(Debug)]
+pub(crate) struct Rules {
+    /// [`Route::name`], or [`DEFAULT_ROUTE`].
+    pub(crate) name: Arc<str>,
+    /// `None` for the default route (every path).
+    pattern: Option<PathPattern>,
+    pub(crate) guard: bool,
+    /// [`Route::require_token`].
+    pub(crate) token: bool,
+    pub(crate) options: Arc<Options>,
+    pub(crate) engine: Engine<DynStore>,
+    pub(crate) observer: Arc<Observer>,
+}
+
+impl Rules {
+    fn new(
+        name: &str,
+        pattern: Option<PathPattern>,
+        (guard, token): (bool, bool),
+        route: &Options,
+        layer: &Options,
+        store: &DynStore,
+    ) -> Self {
+        // The layer-wide settings are the layer's, whatever the route says.
+        let options = Options {
+            max_buffered: layer.max_buffered,
+            body_timeout: layer.body_timeout,
+            token_ttl: layer.token_ttl,
+            tokens_per_scope: layer.tokens_per_scope,
+            max_live_tokens: layer.max_live_tokens,
+            anonymous_tokens: layer.anonymous_tokens,
+            fail_open: layer.fail_open.clone(),
+            access_log: layer.access_log,
+            require_token: layer.require_token.clone(),
+            ..route.clone()
+        };
+        let mut options = options;
+        options.fingerprint.route = name.to_owned();
+        Self {
+            name: Arc::from(name),
+            pattern,
+            guard,
+            token,
+            engine: Engine::with_config(store.clone(), options.engine_config()),
+            options: Arc::new(options),
+            observer: Arc::new(Observer::for_route(name)),
+        }
+    }
+}
+
+/// The rules in force: the routes in order, then the default.
+#[derive(Debug)]
+pub(crate) struct Table {
+    routes: Vec<Rules>,
+    pub(crate) default: Rules,
+    /// Every method some guarded rule covers (for the `method-case`
+    /// refusal and the fast pass-through of other methods).
+    pub(crate) methods: Vec<Method>,
+}
+
+impl Table {
+    /// The table for `routes` over the per-request settings `defaults` and
+    /// the layer-wide settings of `layer`.
+    pub(crate) fn new(
+        store: &DynStore,
+        layer: &Options,
+        defaults: &Options,
+        routes: &[Route],
+    ) -> Self {
+        let default = Rules::new(DEFAULT_ROUTE, None, (true, false), defaults, layer, store);
+        let routes: Vec<Rules> = routes
+            .iter()
+            .map(|r| {
+                Rules::new(
+                    &r.name,
+                    Some(r.path.clone()),
+                    (r.guard, r.require_token),
+                    &r.options,
+                    layer,
+                    store,
+                )
+            })
+            .collect();
+        let mut methods: Vec<Method> = Vec::new();
+        for rules in routes.iter().chain(std::iter::once(&default)) {
+            if rules.guard {
+                for m in &rules.options.methods {
+                    if !methods.contains(m) {
+                        methods.push(m.clone());
+                    }
+                }
+            }
+        }
+        Self {
+            routes,
+            default,
+            methods,
+        }
+    }
+
+    /// The rules for `method` on a path in rule form: the first route that
+    /// covers both, else the default when it covers the method; `None`: no
+    /// rule covers this request (pass it through).
+    pub(crate) fn rules_for(&self, method: &Method, rule_path: &[u8]) -> Option<&Rules> {
+        self.routes
+            .iter()
+            .find(|r| {
+                r.options.methods.contains(method)
+                    && r.pattern
+                        .as_ref()
+                        .is_some_and(|p| p.matches_rule_form(rule_path))
+            })
+            .or_else(|| {
+                self.default
+                    .options
+                    .methods
+                    .contains(method)
+                    .then_some(&self.default)
+            })
+    }
+
+    /// The metric handles of the rules named `name`.
+    pub(crate) fn observer_named(&self, name: &str) -> Arc<Observer> {
+        self.routes
+            .iter()
+            .find(|r| &*r.name == name)
+            .unwrap_or(&self.default)
+            .observer
+            .clone()
+    }
+
+    /// The route name of a request for the access log: its rules' name, or
+    /// the first route whose path matches whatever the method.
+    pub(crate) fn name_for(&self, method: &Method, path: &str) -> Arc<str> {
+        let Ok(normal) = normalize_path(path) else {
+            return self.default.name.clone();
+        };
+        let rule = rule_form(&normal);
+        if let Some(r) = self.rules_for(method, &rule) {
+            return r.name.clone();
+        }
+        self.routes
+            .iter()
+            .find(|r| {
+                r.pattern
+                    .as_ref()
+                    .is_some_and(|p| p.matches_rule_form(&rule))
+            })
+            .map_or_else(|| self.default.name.clone(), |r| r.name.clone())
+    }
 }
 
 #[cfg(test)]

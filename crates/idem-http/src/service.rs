@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
@@ -17,21 +18,21 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::{full, Prefixed};
+use crate::body_key::{key_from_json, BodyKeyError};
 use crate::budget::{BodyBudget, Reservation};
-use crate::fingerprint::request_fingerprint;
+use crate::fingerprint::request_fingerprint_with;
 use crate::future::ResponseFuture;
 use crate::key::{
-    key_from_headers, key_header_value, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS,
+    key_from_header, key_header_value, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS,
     IDEMPOTENT_REPLAYED,
 };
-use crate::observe::{
-    route_name, token_rejected, Finished, Observer, RequestOutcome, TokenRejection,
-};
+use crate::observe::{token_rejected, Finished, Observer, RequestOutcome, TokenRejection};
 use crate::options::{FailOpenGuard, Options};
-use crate::path::{normalize_path, PathError};
+use crate::path::{normalize_path, rule_form, PathError};
 use crate::policy::Disposition;
 use crate::problem::Problem;
 use crate::replay::{replay_response, to_stored};
+use crate::routes::{KeySource, Rules, Table};
 use crate::tokens::TokenBudget;
 use crate::{BoxBody, BoxError};
 
@@ -58,34 +59,32 @@ use crate::{BoxBody, BoxError};
 #[derive(Debug, Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
-    engine: Engine<DynStore>,
+    /// The rules in force (swapped by [`crate::IdempotencyLayer::reload`]).
+    rules: Arc<ArcSwap<Table>>,
+    /// The layer's settings (the layer-wide ones apply to every route).
     options: Arc<Options>,
     tracker: TaskTracker,
     /// The layer's live submit tokens (a used token stops counting).
     live_tokens: Arc<TokenBudget>,
     /// The layer's budget of buffered body bytes.
     body_budget: BodyBudget,
-    /// The layer's metric handles.
-    observer: Arc<Observer>,
 }
 
 impl<S> IdempotencyService<S> {
     pub(crate) fn new(
         inner: S,
-        engine: Engine<DynStore>,
+        rules: Arc<ArcSwap<Table>>,
         options: Arc<Options>,
         tracker: TaskTracker,
-        live_tokens: Arc<TokenBudget>,
-        (body_budget, observer): (BodyBudget, Arc<Observer>),
+        (live_tokens, body_budget): (Arc<TokenBudget>, BodyBudget),
     ) -> Self {
         Self {
             inner,
-            engine,
+            rules,
             options,
             tracker,
             live_tokens,
             body_budget,
-            observer,
         }
     }
 
@@ -122,114 +121,116 @@ where
         // Take the service that was driven to readiness; leave a clone.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let options = self.options.clone();
+        // The rules this request keeps to its end, whatever a reload does.
+        let table = self.rules.load_full();
         let started = Instant::now();
-        let observer = &self.observer;
-        let log = |req: &Request<B>| LogCtx {
+        let access_log = self.options.access_log;
+        let log = |req: &Request<B>, rules: &Rules| LogCtx {
             started,
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
-            route: route_name(false),
+            route: rules.name.clone(),
             raw_key: None,
-            observer: observer.clone(),
+            observer: rules.observer.clone(),
         };
-        if !options.methods.contains(req.method()) {
-            if let Some(guarded) = case_variant_of(&options.methods, req.method()) {
-                return ready(log(&req).rejected(method_case(req.method(), guarded)));
+        if !table.methods.contains(req.method()) {
+            if let Some(guarded) = case_variant_of(&table.methods, req.method()) {
+                return ready(
+                    log(&req, &table.default).rejected(method_case(req.method(), guarded)),
+                );
             }
             // Unguarded: no log context (the path is copied only for the
             // access log).
             let span = crate::trace::proxy_span(req.method(), req.uri().path(), req.headers());
             return span
-                .in_scope(|| pass_through(&mut inner, req, started, observer, options.access_log))
+                .in_scope(|| pass_through(&mut inner, req, started, &table, access_log))
                 .in_span(span);
         }
         let entered = crate::trace::request_span(req.method(), req.headers()).entered();
-        let log = log(&req);
-        // Every decision by path (token routes, the fingerprint) and the
-        // inner service see one normalised path.
-        match normalized_uri(req.uri()) {
-            Ok(Some(uri)) => *req.uri_mut() = uri,
-            Ok(None) => {}
-            Err(e) => return ready(log.rejected(ambiguous_path(&e))),
-        }
-        let log = LogCtx {
-            path: req.uri().path().to_owned(),
-            ..log
+        // Every decision by path (routes, token routes, the fingerprint)
+        // and the inner service see one normalised path.
+        let normal = match normalized_uri(req.uri()) {
+            Ok(uri) => uri,
+            Err(e) => return ready(log(&req, &table.default).rejected(ambiguous_path(&e))),
         };
+        let rule_path = rule_form(normal.as_ref().map_or(req.uri().path(), |u| u.path()));
+        let Some(rules) = table.rules_for(req.method(), &rule_path) else {
+            // No rule guards this method on this path: untouched.
+            return pass_through(&mut inner, req, started, &table, access_log)
+                .in_span(entered.exit());
+        };
+        if !rules.guard {
+            return pass_through(&mut inner, req, started, &table, access_log)
+                .in_span(entered.exit());
+        }
+        if let Some(uri) = normal {
+            *req.uri_mut() = uri;
+        }
+        let log = log(&req, rules);
         crate::trace::record_path(&log.path);
-        let token = options.token_required(req.uri().path());
-        let log = LogCtx {
-            route: route_name(token),
-            ..log
+        let options = rules.options.clone();
+        let token = rules.token || options.token_required(req.uri().path());
+        // A token is checked in the scope it was issued in: the layer's.
+        let scope_by = if token {
+            &self.options.scope
+        } else {
+            &options.scope
         };
-        let key = match key_from_headers(req.headers()) {
-            Ok(Some(key)) => key,
-            Ok(None) if token => {
-                token_rejected(TokenRejection::Missing);
-                return ready(log.rejected(Problem::new(
-                    StatusCode::PRECONDITION_REQUIRED,
-                    "token-required",
-                    "This request must carry a submit token as its Idempotency-Key. Get one \
-                     from the service (the gateway issues them at POST /_idem/tokens) before \
-                     submitting.",
-                )));
-            }
-            Ok(None) if !options.require_key => {
-                return pass_through(&mut inner, req, started, observer, options.access_log)
-                    .in_span(entered.exit());
-            }
-            Ok(None) => {
-                return ready(log.rejected(Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    "key-required",
-                    "This request must carry an Idempotency-Key header.",
-                )));
-            }
-            Err(e) => {
-                let log = LogCtx {
-                    raw_key: Some(raw_key_for_log(req.headers())),
-                    ..log
-                };
-                let kind = match e {
-                    KeyHeaderError::Multiple { .. } => "multiple-keys",
-                    _ => "invalid-key",
-                };
-                return ready(log.rejected(Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    kind,
-                    format!(
-                        "{e}. An Idempotency-Key is 1 to 255 characters of 0x20-0x7E, not all \
-                         blank, sent bare or as a structured-field string (\"key\")."
-                    ),
-                )));
-            }
+        let key = match &options.key_source {
+            KeySource::Header(name) => match key_from_header(req.headers(), name) {
+                Ok(Some(key)) => {
+                    // The key goes on in one form, the bare value: `"abc"`,
+                    // `abc` and `"abc";p=1` are one key here, so they must
+                    // be one value to the inner service (and the upstream's
+                    // own unique constraint) too.
+                    if let Some(v) = key_header_value(&key) {
+                        req.headers_mut().insert(name.clone(), v);
+                    }
+                    Some(key)
+                }
+                Ok(None) if token => return ready(log.rejected(token_missing())),
+                Ok(None) if !options.require_key => {
+                    return pass_through(&mut inner, req, started, &table, access_log)
+                        .in_span(entered.exit());
+                }
+                Ok(None) => return ready(log.rejected(key_required(name.as_str()))),
+                Err(e) => {
+                    let log = LogCtx {
+                        raw_key: Some(raw_key_for_log(req.headers(), name)),
+                        ..log
+                    };
+                    return ready(log.rejected(invalid_key(&e, name.as_str())));
+                }
+            },
+            // Known once the body is read.
+            KeySource::JsonPointer(_) => None,
         };
-        let scope = options.scope.scope_of(req.headers());
-        // The key goes on in one form, the bare value: `"abc"`, `abc` and
-        // `"abc";p=1` are one key here, so they must be one value to the
-        // inner service (and the upstream's own unique constraint) too.
-        if let Some(v) = key_header_value(&key) {
-            req.headers_mut().insert(IDEMPOTENCY_KEY, v);
-        }
-        let log = Arc::new(KeyedLog {
-            ctx: log,
-            scope,
-            key,
-        });
+        let scope = scope_by.scope_of(req.headers());
         if let Some(len) = content_length(req.headers()) {
             if len > options.max_body as u64 {
-                return ready(log.rejected(too_large(options.max_body)));
+                let problem = too_large(options.max_body);
+                return ready(match key {
+                    Some(key) => KeyedLog {
+                        ctx: log,
+                        scope,
+                        key,
+                    }
+                    .rejected(problem),
+                    None => log.rejected(problem),
+                });
             }
         }
         let guarded = Guarded {
-            engine: self.engine.clone(),
+            engine: rules.engine.clone(),
             options,
             token,
             live_tokens: self.live_tokens.clone(),
             log,
+            scope,
+            key,
             body_budget: self.body_budget.clone(),
-            running: self.observer.running(),
+            running: rules.observer.running(),
+            table: table.clone(),
         };
         guarded
             .respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
@@ -237,15 +238,68 @@ where
     }
 }
 
+/// 428 `token-required`: a token route without a key.
+fn token_missing() -> Problem {
+    token_rejected(TokenRejection::Missing);
+    Problem::new(
+        StatusCode::PRECONDITION_REQUIRED,
+        "token-required",
+        "This request must carry a submit token as its Idempotency-Key. Get one \
+         from the service (the gateway issues them at POST /_idem/tokens) before \
+         submitting.",
+    )
+}
+
+/// 400 `key-required`: a route that requires a key, without one in `from`
+/// (a header name or a JSON Pointer into the body).
+fn key_required(from: &str) -> Problem {
+    let detail = if from.starts_with('/') || from.is_empty() {
+        format!(
+            "This request must carry an idempotency key in its JSON body, at the JSON \
+             Pointer {from:?} (RFC 6901)."
+        )
+    } else if from.eq_ignore_ascii_case(IDEMPOTENCY_KEY.as_str()) {
+        "This request must carry an Idempotency-Key header.".to_owned()
+    } else {
+        format!("This request must carry an idempotency key in its {from} header.")
+    };
+    Problem::new(StatusCode::BAD_REQUEST, "key-required", detail)
+}
+
+/// 400 `invalid-key` or `multiple-keys` for a key header that does not parse.
+fn invalid_key(e: &KeyHeaderError, header: &str) -> Problem {
+    let kind = match e {
+        KeyHeaderError::Multiple { .. } => "multiple-keys",
+        _ => "invalid-key",
+    };
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        kind,
+        format!(
+            "{e} ({header}). An Idempotency-Key is 1 to 255 characters of 0x20-0x7E, not all \
+             blank, sent bare or as a structured-field string (\"key\")."
+        ),
+    )
+}
+
 /// Everything a guarded request needs once its body is read.
 struct Guarded {
     engine: Engine<DynStore>,
+    /// The route's settings.
     options: Arc<Options>,
     /// The key must be a live submit token ([`crate::Options::require_token`]).
     token: bool,
     live_tokens: Arc<TokenBudget>,
-    /// The log context, with the caller's scope and the key.
-    log: Arc<KeyedLog>,
+    /// The log context.
+    log: LogCtx,
+    /// The caller's scope.
+    scope: Scope,
+    /// The key from a header; `None` until the body is read for a key
+    /// taken from the body ([`KeySource::JsonPointer`]).
+    key: Option<IdempotencyKey>,
+    /// The rules in force when the request arrived (for a pass-through
+    /// decided after the body is read).
+    table: Arc<Table>,
     /// The layer's budget of buffered body bytes.
     body_budget: BodyBudget,
     /// Counts this request in `idem_in_flight` until it is done.
@@ -277,23 +331,76 @@ impl Guarded {
         RB::Error: Into<BoxError>,
     {
         ResponseFuture::new(async move {
-            let log = Arc::clone(&self.log);
             let (parts, body) = req.into_parts();
             let reservation = self.body_budget.reservation();
             let declared = content_length(&parts.headers);
+            let mut this = self;
             let (bytes, reservation) =
-                match read_body(body, declared, &self.options, reservation).await {
+                match read_body(body, declared, &this.options, reservation).await {
                     Ok(read) => read,
-                    Err(refused) => return Ok(log.rejected(refused)),
+                    Err(refused) => return Ok(this.refuse(refused)),
                 };
-            let fingerprint =
-                request_fingerprint(&parts.method, &parts.uri, &parts.headers, &bytes);
+            let key = match (this.key.take(), &this.options.key_source) {
+                (Some(key), _) => key,
+                (None, KeySource::JsonPointer(pointer)) => {
+                    match body_key(&bytes, pointer, this.token, this.options.require_key) {
+                        Ok(key) => key,
+                        Err(None) => {
+                            // No key in the body and none required: the
+                            // buffered request goes through untouched.
+                            let req = Request::from_parts(
+                                parts,
+                                Reserved::new(full(bytes), reservation).boxed_unsync(),
+                            );
+                            let access_log = this.options.access_log;
+                            let Guarded { log, table, .. } = this;
+                            let mut inner = inner;
+                            return pass_through(&mut inner, req, log.started, &table, access_log)
+                                .await;
+                        }
+                        Err(Some(problem)) => return Ok(this.refuse(problem)),
+                    }
+                }
+                (None, KeySource::Header(_)) => {
+                    unreachable!("a header key is parsed before the body is read")
+                }
+            };
+            let Guarded {
+                engine,
+                options,
+                token,
+                live_tokens,
+                log,
+                scope,
+                running,
+                ..
+            } = this;
+            let log = Arc::new(KeyedLog {
+                ctx: log,
+                scope,
+                key,
+            });
+            let fingerprint = request_fingerprint_with(
+                &options.fingerprint,
+                &parts.method,
+                &parts.uri,
+                &parts.headers,
+                &bytes,
+            );
             // The reserved bytes go back to the budget when the inner
             // service drops the buffered body.
             let body = Reserved::new(full(bytes), reservation).boxed_unsync();
             let req = Request::from_parts(parts, body);
+            let run = Run {
+                engine,
+                options,
+                token,
+                live_tokens,
+                log: log.clone(),
+                running,
+            };
             // The spawned run goes on in the request's span.
-            let job = self
+            let job = run
                 .run::<S, F, E, RB>(inner, req, fingerprint)
                 .instrument(tracing::Span::current());
             match tokio::runtime::Handle::try_current() {
@@ -322,6 +429,36 @@ impl Guarded {
         })
     }
 
+    /// Records a refusal before the run and hands it back.
+    fn refuse(&self, problem: Problem) -> Response<BoxBody> {
+        match &self.key {
+            Some(key) => {
+                let resp = problem.into_response();
+                self.log.observe(
+                    Some((&self.scope, key)),
+                    RequestOutcome::Rejected,
+                    Some(resp.status()),
+                    None,
+                );
+                resp
+            }
+            None => self.log.rejected(problem),
+        }
+    }
+}
+
+/// A guarded request with its key, ready to claim it.
+struct Run {
+    engine: Engine<DynStore>,
+    options: Arc<Options>,
+    token: bool,
+    live_tokens: Arc<TokenBudget>,
+    /// The log context, with the caller's scope and the key.
+    log: Arc<KeyedLog>,
+    running: crate::observe::Running,
+}
+
+impl Run {
     /// Claims the key and runs the inner service once, or answers from the
     /// store; when the store fails before the run, fails open or answers
     /// 503 ([`StoreFailure`]).
@@ -337,13 +474,12 @@ impl Guarded {
         RB: Body<Data = Bytes> + Send + 'static,
         RB::Error: Into<BoxError>,
     {
-        let Guarded {
+        let Run {
             engine,
             options,
             token,
             live_tokens,
             log,
-            body_budget: _,
             running: _running,
         } = self;
         let (scope, key) = (&log.scope, &log.key);
@@ -466,14 +602,55 @@ impl Guarded {
     }
 }
 
+/// The key in a JSON body at `pointer`. `Err(None)`: no key and none
+/// required (pass the request through); `Err(Some(problem))`: refused
+/// (400 `key-required`, `invalid-key`, or 428 `token-required` on a token
+/// route).
+fn body_key(
+    body: &[u8],
+    pointer: &str,
+    token: bool,
+    require_key: bool,
+) -> Result<IdempotencyKey, Option<Problem>> {
+    match key_from_json(body, pointer) {
+        Ok(Some(key)) => Ok(key),
+        Ok(None) | Err(BodyKeyError::NotJson) if token => Err(Some(token_missing())),
+        Ok(None) | Err(BodyKeyError::NotJson) if !require_key => Err(None),
+        Ok(None) => Err(Some(key_required(pointer))),
+        Err(e @ BodyKeyError::NotJson) => Err(Some(
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                "key-required",
+                format!(
+                    "{e}: this request must carry an idempotency key in its JSON body, at \
+                     the JSON Pointer {pointer:?} (RFC 6901)."
+                ),
+            )
+            .with_member("key_json_pointer", pointer),
+        )),
+        Err(e) => Err(Some(
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid-key",
+                format!(
+                    "{e}. An idempotency key is 1 to 255 characters of 0x20-0x7E, not all \
+                     blank: a JSON string, or an integer."
+                ),
+            )
+            .with_member("key_json_pointer", pointer),
+        )),
+    }
+}
+
 /// Calls `inner` with the request's body boxed, and boxes the response body:
 /// no buffering, no limit. Counted as [`RequestOutcome::Passthrough`]
-/// (from `started`), and logged with `access_log`.
+/// (from `started`) under the route `table` names for it, and logged with
+/// `access_log`.
 fn pass_through<S, B, RB>(
     inner: &mut S,
     req: Request<B>,
     started: Instant,
-    observer: &Arc<Observer>,
+    table: &Table,
     access_log: bool,
 ) -> ResponseFuture<S::Error>
 where
@@ -485,15 +662,21 @@ where
     RB: Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    let access = access_log.then(|| {
+    // Without routes (or without the access log) the route is `default`:
+    // no path is matched on the hot path.
+    let (observer, access) = if access_log {
         let path = match normalize_path(req.uri().path()) {
             Ok(p) => p.into_owned(),
             Err(_) => req.uri().path().to_owned(),
         };
-        (req.method().clone(), path)
-    });
+        let name = table.name_for(req.method(), req.uri().path());
+        let observer = table.observer_named(&name);
+        (observer, Some((req.method().clone(), path, name)))
+    } else {
+        (table.default.observer.clone(), None)
+    };
     let fut = inner.call(req.map(|b| b.map_err(Into::into).boxed_unsync()));
-    boxed_response(fut, started, observer.clone(), access)
+    boxed_response(fut, started, observer, access)
 }
 
 /// The inner service's future with its response body boxed, counted as a
@@ -503,7 +686,7 @@ fn boxed_response<F, E, RB>(
     fut: F,
     started: Instant,
     observer: Arc<Observer>,
-    access: Option<(Method, String)>,
+    access: Option<(Method, String, Arc<str>)>,
 ) -> ResponseFuture<E>
 where
     F: std::future::Future<Output = Result<Response<RB>, E>> + Send + 'static,
@@ -513,9 +696,9 @@ where
 {
     ResponseFuture::new(async move {
         let resp = fut.await;
-        let (method, path) = match &access {
-            Some((m, p)) => (m, p.as_str()),
-            None => (&Method::GET, ""),
+        let (method, path, route) = match &access {
+            Some((m, p, r)) => (m, p.as_str(), &**r),
+            None => (&Method::GET, "", crate::routes::DEFAULT_ROUTE),
         };
         observer.finished(&Finished {
             outcome: RequestOutcome::Passthrough,
@@ -523,7 +706,7 @@ where
             elapsed: started.elapsed(),
             method,
             path,
-            route: route_name(false),
+            route,
             key: None,
             scoped: None,
             saved: None,
@@ -1016,9 +1199,9 @@ async fn capture(mut body: BoxBody, limit: usize) -> Captured {
 }
 
 /// The raw `Idempotency-Key` of a refused request, for the log line.
-fn raw_key_for_log(headers: &HeaderMap) -> String {
+fn raw_key_for_log(headers: &HeaderMap, name: &http::HeaderName) -> String {
     let raw: Vec<String> = headers
-        .get_all(&IDEMPOTENCY_KEY)
+        .get_all(name)
         .iter()
         .map(|v| {
             String::from_utf8_lossy(v.as_bytes())
@@ -1045,8 +1228,8 @@ struct LogCtx {
     started: Instant,
     method: Method,
     path: String,
-    /// [`route_name`].
-    route: &'static str,
+    /// The route's name ([`crate::routes`]).
+    route: Arc<str>,
     /// A key header that does not parse, escaped and cut to 300 bytes.
     raw_key: Option<String>,
     observer: Arc<Observer>,
@@ -1070,7 +1253,7 @@ impl LogCtx {
             elapsed: self.started.elapsed(),
             method: &self.method,
             path: &self.path,
-            route: self.route,
+            route: &self.route,
             key,
             scoped,
             saved,
