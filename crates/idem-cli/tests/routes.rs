@@ -1233,6 +1233,83 @@ fingerprint_ignore_query = ["utm_source"]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fingerprint_headers_and_included_fields_per_route() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "charges"
+path = "/charges"
+fingerprint_include = ["/amount"]
+
+[[routes]]
+name = "tenants"
+path = "/tenants"
+fingerprint_headers = ["x-tenant"]
+"#;
+    let gw = Gw::start("fingerprint-parts", &up, "", routes).await;
+    let c = client();
+    // Only /amount counts on charges.
+    let first = post(
+        &c,
+        &gw,
+        "/charges",
+        Some("k-c"),
+        r#"{"amount":10,"note":"a"}"#,
+    )
+    .await;
+    assert_executed(&first, 201, "first charge");
+    let other_note = post(
+        &c,
+        &gw,
+        "/charges",
+        Some("k-c"),
+        r#"{"amount":10,"note":"b"}"#,
+    )
+    .await;
+    assert_replay_of(&other_note, &first, "another note, the same amount");
+    let other_amount = post(
+        &c,
+        &gw,
+        "/charges",
+        Some("k-c"),
+        r#"{"amount":11,"note":"a"}"#,
+    )
+    .await;
+    assert_problem(&other_amount, 422, Some("key-mismatch"), "another amount");
+    assert_eq!(up.on("/charges"), 1);
+
+    // X-Tenant counts on tenants, not elsewhere.
+    let t = |tenant: &'static str| [("idempotency-key", "k-t"), ("x-tenant", tenant)];
+    let first = send(&c, &gw, "POST", "/tenants", &t("t1"), "{}").await;
+    assert_executed(&first, 201, "tenant t1");
+    let same = send(&c, &gw, "POST", "/tenants", &t("t1"), "{}").await;
+    assert_replay_of(&same, &first, "tenant t1 again");
+    let other = send(&c, &gw, "POST", "/tenants", &t("t2"), "{}").await;
+    assert_problem(
+        &other,
+        422,
+        Some("key-mismatch"),
+        "the same key from tenant t2",
+    );
+    let first = send(&c, &gw, "POST", "/orders", &t("t1"), "{}").await;
+    assert_executed(&first, 201, "default route");
+    let other = send(&c, &gw, "POST", "/orders", &t("t2"), "{}").await;
+    assert_replay_of(
+        &other,
+        &first,
+        "X-Tenant does not count on the default route",
+    );
+    // And the body does count on the default route.
+    let changed = post(&c, &gw, "/orders", Some("k-t"), r#"{"amount":1}"#).await;
+    assert_problem(
+        &changed,
+        422,
+        Some("key-mismatch"),
+        "another body on the default route",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_header_per_route() {
     let up = Echo::start().await;
     let routes = r#"
@@ -1447,7 +1524,10 @@ fn config_check_refuses_a_bad_file() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(all.contains('6'), "the line of `ttll` (6) is named:\n{all}");
+    assert!(
+        all.contains("line 6") || all.contains(":6:") || all.contains("6 |"),
+        "the line of `ttll` (6) is named:\n{all}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
