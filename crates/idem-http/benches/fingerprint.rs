@@ -1,6 +1,9 @@
 //! Request fingerprinting throughput (bytes/s) for a raw body and a JSON body
-//! that is canonicalised first (RFC 8785), at 1 KiB and 64 KiB; and key
-//! parsing (`Idempotency-Key` header value → key, and `IdempotencyKey::new`).
+//! that is canonicalised first (RFC 8785), at 1 KiB and 64 KiB, through
+//! `request_fingerprint`, through `request_fingerprint_with` and the default
+//! spec (the hot path: it must cost the same), and with a spec that leaves a
+//! JSON member out (RFC 6901); and key parsing (`Idempotency-Key` header
+//! value → key, `IdempotencyKey::new`, and a key from a JSON body).
 //!
 //! `cargo bench -p idem-http --bench fingerprint`
 
@@ -12,7 +15,10 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use idem_core::IdempotencyKey;
-use idem_http::fingerprint::{canonical_json, request_fingerprint};
+use idem_http::body_key::key_from_json;
+use idem_http::fingerprint::{
+    canonical_json, request_fingerprint, request_fingerprint_with, FingerprintSpec,
+};
 use idem_http::key::{key_from_headers, parse_key};
 
 /// A JSON order document of about `size` bytes: an object with an array of
@@ -51,6 +57,15 @@ fn fingerprints(c: &mut Criterion) {
         "content-type",
         HeaderValue::from_static("application/octet-stream"),
     );
+    let default_spec = FingerprintSpec {
+        route: "orders".into(),
+        ..FingerprintSpec::default()
+    };
+    let exclude = FingerprintSpec {
+        exclude: vec!["/note".into(), "/items/0/gift".into()],
+        ignore_query: vec!["utm_source".into()],
+        ..FingerprintSpec::default()
+    };
     let mut g = c.benchmark_group("fingerprint");
     for size in [1024usize, 64 * 1024] {
         let body = json_body(size);
@@ -61,6 +76,26 @@ fn fingerprints(c: &mut Criterion) {
         });
         g.bench_with_input(BenchmarkId::new("json", size), &body, |b, body| {
             b.iter(|| request_fingerprint(&Method::POST, &uri, &json, black_box(body)))
+        });
+        g.bench_with_input(
+            BenchmarkId::new("json default spec", size),
+            &body,
+            |b, body| {
+                b.iter(|| {
+                    request_fingerprint_with(
+                        &default_spec,
+                        &Method::POST,
+                        &uri,
+                        &json,
+                        black_box(body),
+                    )
+                })
+            },
+        );
+        g.bench_with_input(BenchmarkId::new("json exclude", size), &body, |b, body| {
+            b.iter(|| {
+                request_fingerprint_with(&exclude, &Method::POST, &uri, &json, black_box(body))
+            })
         });
     }
     g.finish();
@@ -83,6 +118,17 @@ fn keys(c: &mut Criterion) {
     });
     g.bench_function("http key_from_headers (quoted uuid)", |b| {
         b.iter(|| key_from_headers(black_box(&headers)).expect("valid"))
+    });
+    // The order document, its final ` }` replaced by one more member.
+    let mut webhook = json_body(1024);
+    webhook.truncate(webhook.len() - 2);
+    webhook.extend_from_slice(br#", "event_id": "evt_8e0c6a7e1b2c" }"#);
+    assert!(
+        matches!(key_from_json(&webhook, "/event_id"), Ok(Some(_))),
+        "the webhook body has its key"
+    );
+    g.bench_function("body key_from_json (1 KiB)", |b| {
+        b.iter(|| key_from_json(black_box(&webhook), "/event_id").expect("valid"))
     });
     g.finish();
 }

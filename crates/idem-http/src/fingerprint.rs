@@ -32,17 +32,34 @@
 //! (RFC 8785, ECMAScript's `Number::toString`) is kept, the other is hashed
 //! raw, so two different amounts still never meet and the canonical form
 //! of a kept body is kept again. Other bodies are hashed as raw bytes.
+//!
+//! ## Per-route fingerprints
+//!
+//! A route may say which parts count ([`FingerprintSpec`],
+//! [`request_fingerprint_with`]): method, path, query (with parameters
+//! left out by name), named headers, body (with JSON members left out, or
+//! only some kept, by JSON Pointer, RFC 6901). The default spec is the
+//! fingerprint above, bit for bit; any other spec hashes its own format tag
+//! and a description of itself first, so two different specs never share a
+//! fingerprint.
 
+use std::borrow::Cow;
 use std::fmt;
 
-use http::{header, HeaderMap, Method, Uri};
+use http::{header, HeaderMap, HeaderName, Method, Uri};
 use idem_core::{Fingerprint, FingerprintBuilder};
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 
+use crate::body_key::{array_index, pointer_tokens};
+
 /// Tag of the fingerprint format, hashed first so a change of format never
 /// collides with an older one.
 const FORMAT: &[u8] = b"idem-http/fingerprint/1";
+
+/// Tag of the format of a fingerprint under a non-default
+/// [`FingerprintSpec`]; the spec's own description follows it.
+const FORMAT_SPEC: &[u8] = b"idem-http/fingerprint/2";
 
 /// The fingerprint of a request (see the [module docs](self)).
 ///
@@ -72,6 +89,15 @@ pub fn request_fingerprint(
         None => b.part(b"-"),
         Some(q) => b.part(b"?").part(q.as_bytes()),
     };
+    let content_types = content_types(&mut b, headers);
+    let json = is_json_body(&content_types);
+    whole_body(&mut b, json, body);
+    b.finish()
+}
+
+/// Hashes every `Content-Type` field value (a count, then each as
+/// received) and returns them.
+fn content_types<'h>(b: &mut FingerprintBuilder, headers: &'h HeaderMap) -> Vec<&'h [u8]> {
     let content_types: Vec<&[u8]> = headers
         .get_all(header::CONTENT_TYPE)
         .iter()
@@ -81,26 +107,54 @@ pub fn request_fingerprint(
     for ct in &content_types {
         b.part(ct);
     }
-    let canonical = match content_types.as_slice() {
-        [ct] if is_json_media_type(ct) => canonical_json(body),
-        _ => None,
-    };
+    content_types
+}
+
+/// Whether the body is read as JSON: exactly one `Content-Type` field, and
+/// it names JSON ([`is_json_media_type`]).
+fn is_json_body(content_types: &[&[u8]]) -> bool {
+    matches!(content_types, [ct] if is_json_media_type(ct))
+}
+
+/// Hashes the whole body: its canonical form when it is a JSON body and
+/// I-JSON, else its raw bytes.
+fn whole_body(b: &mut FingerprintBuilder, json: bool, body: &[u8]) {
+    let canonical = if json { canonical_json(body) } else { None };
     match canonical {
         Some(c) => b.part(b"jcs").part(&c),
         None => b.part(b"raw").part(body),
     };
-    b.finish()
 }
 
 /// Which parts of a request count for its fingerprint (per route; see
 /// [`crate::routes`]). The default is the fingerprint described in the
 /// [module docs](self), bit for bit: [`request_fingerprint_with`] with
-/// `FingerprintSpec::default()` equals [`request_fingerprint`].
+/// `FingerprintSpec::default()` (whatever its `route`) equals
+/// [`request_fingerprint`].
 ///
-/// Any other spec hashes a different format tag first, so a record made
-/// under one spec never matches a request judged under another (a retry
-/// after the rules changed gets 422 `key-mismatch`, never another
-/// request's response).
+/// Any other spec hashes a different format tag first
+/// (`idem-http/fingerprint/2`), then a description of the spec itself
+/// (which parts are on, the `ignore_query`, `headers`, `exclude` and
+/// `include` lists), so a record made under one spec never matches a
+/// request judged under another (a retry after the rules changed gets 422
+/// `key-mismatch`, never another request's response). `route` is not part
+/// of the description: it counts only when `path` is off, in place of the
+/// path.
+///
+/// Check a spec with [`FingerprintSpec::validate`] when it is configured;
+/// [`request_fingerprint_with`] never fails, whatever the spec.
+///
+/// ```
+/// use idem_http::fingerprint::FingerprintSpec;
+/// let spec = FingerprintSpec {
+///     ignore_query: vec!["utm_source".into()],
+///     exclude: vec!["/delivered_at".into()],
+///     ..FingerprintSpec::default()
+/// };
+/// assert!(spec.validate().is_ok());
+/// assert!(!spec.is_default());
+/// assert!(FingerprintSpec { route: "payments".into(), ..Default::default() }.is_default());
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FingerprintSpec {
     /// The method counts (default true).
@@ -108,22 +162,41 @@ pub struct FingerprintSpec {
     /// The normalised path counts (default true). Without it the route's
     /// name counts instead, so one key on two routes is still two requests.
     pub path: bool,
-    /// The query counts (default true).
+    /// The query counts (default true): its parameters (split on `&`), in
+    /// the order received, each byte for byte. A query whose every
+    /// parameter is ignored counts as no query; `/p?` (one empty
+    /// parameter) differs from `/p`.
     pub query: bool,
-    /// Query parameters left out, by name (percent-decoded, case-sensitive
-    /// as RFC 3986 makes them); the other parameters keep their order.
+    /// Query parameters left out, by name (default none): a parameter's
+    /// name is its text before the first `=` (all of it without one),
+    /// compared with each listed name byte for byte after percent-decoding
+    /// (RFC 3986 §2.1; a malformed escape stays as written) and reading `+`
+    /// as a space as `application/x-www-form-urlencoded` does (so
+    /// `utm+source` and `utm%20source` are the name `utm source`; a
+    /// literal `+` is matched by `%2B` only). Case-sensitive, as RFC 3986
+    /// makes queries. The other parameters keep their order and bytes:
+    /// `?a=1&utm_source=x` equals `?a=1`, `?a=1&b=2` differs from
+    /// `?b=2&a=1`.
     pub ignore_query: Vec<String>,
-    /// Request headers that count besides `Content-Type`, every field of
-    /// each in the order received (default none).
-    pub headers: Vec<http::HeaderName>,
+    /// Request headers that count besides `Content-Type`, in this order,
+    /// each with every field of it in the order received (default none). A
+    /// missing header differs from one with an empty value.
+    pub headers: Vec<HeaderName>,
     /// The body counts (default true).
     pub body: bool,
-    /// JSON Pointers (RFC 6901) of members left out of a JSON body before it
-    /// is canonicalised (default none). A body that is not JSON is hashed
-    /// raw, whole.
+    /// JSON Pointers (RFC 6901) of members or array elements left out of a
+    /// JSON body before it is canonicalised (default none). Every pointer
+    /// is resolved against the body as received (so `/items/0` and
+    /// `/items/1` leave out the first two elements, in either order); a
+    /// pointer that finds nothing changes nothing; `""` leaves out the
+    /// whole body. A body that is not JSON, or not I-JSON (see the
+    /// [module docs](self)), is hashed raw, whole.
     pub exclude: Vec<String>,
-    /// When not empty, only these JSON Pointers of a JSON body count (a
-    /// missing one counts as absent, which differs from `null`).
+    /// When not empty, only these JSON Pointers (RFC 6901) of a JSON body
+    /// count, in this order, each as the canonical form (RFC 8785) of the
+    /// value it finds; a missing one counts as absent, which differs from
+    /// `null`. A body that is not JSON, or not I-JSON, is hashed raw,
+    /// whole.
     pub include: Vec<String>,
     /// The route's name, hashed when `path` is false.
     pub route: String,
@@ -145,19 +218,157 @@ impl Default for FingerprintSpec {
     }
 }
 
+/// Why a [`FingerprintSpec`] is refused ([`FingerprintSpec::validate`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FingerprintSpecError {
+    /// An `exclude` or `include` entry is not a JSON Pointer.
+    #[error("fingerprint pointer {pointer:?} is not a JSON Pointer (RFC 6901): {reason}")]
+    Pointer {
+        /// The entry as given.
+        pointer: String,
+        /// Why (see [`crate::body_key::validate_pointer`]).
+        reason: String,
+    },
+    /// Both `include` and `exclude` are set.
+    #[error("fingerprint include and exclude are both set: use one of them")]
+    IncludeAndExclude,
+    /// `include` or `exclude` is set while the body does not count.
+    #[error("fingerprint include/exclude are set but the body does not count (body = false)")]
+    PointersWithoutBody,
+    /// `ignore_query` is set while the query does not count.
+    #[error("fingerprint ignore_query is set but the query does not count (query = false)")]
+    IgnoreQueryWithoutQuery,
+}
+
 impl FingerprintSpec {
-    /// Whether this is the default spec (route name aside).
+    /// Whether this is the default spec (`route` aside). Allocation-free:
+    /// the layer asks on every guarded request.
     pub fn is_default(&self) -> bool {
-        *self
-            == Self {
-                route: self.route.clone(),
-                ..Self::default()
+        let Self {
+            method,
+            path,
+            query,
+            ignore_query,
+            headers,
+            body,
+            exclude,
+            include,
+            route: _,
+        } = self;
+        *method
+            && *path
+            && *query
+            && *body
+            && ignore_query.is_empty()
+            && headers.is_empty()
+            && exclude.is_empty()
+            && include.is_empty()
+    }
+
+    /// Checks the spec: every `exclude` and `include` entry is a JSON
+    /// Pointer (RFC 6901: empty, or `/` followed by reference tokens in
+    /// which `~` is only ever `~0` or `~1`); `include` and `exclude` are
+    /// not both set; neither is set without `body`; `ignore_query` is not
+    /// set without `query`.
+    ///
+    /// ```
+    /// use idem_http::fingerprint::{FingerprintSpec, FingerprintSpecError};
+    /// let bad = FingerprintSpec { exclude: vec!["delivered_at".into()], ..Default::default() };
+    /// assert!(matches!(bad.validate(), Err(FingerprintSpecError::Pointer { .. })));
+    /// let ok = FingerprintSpec { exclude: vec!["/a~1b/0".into()], ..Default::default() };
+    /// assert!(ok.validate().is_ok());
+    /// ```
+    ///
+    /// # Errors
+    /// The first problem, as a [`FingerprintSpecError`].
+    pub fn validate(&self) -> Result<(), FingerprintSpecError> {
+        for p in self.exclude.iter().chain(&self.include) {
+            crate::body_key::validate_pointer(p).map_err(|reason| {
+                FingerprintSpecError::Pointer {
+                    pointer: p.clone(),
+                    reason,
+                }
+            })?;
+        }
+        if !self.exclude.is_empty() && !self.include.is_empty() {
+            return Err(FingerprintSpecError::IncludeAndExclude);
+        }
+        let pointers = !self.exclude.is_empty() || !self.include.is_empty();
+        if pointers && !self.body {
+            return Err(FingerprintSpecError::PointersWithoutBody);
+        }
+        if !self.query && !self.ignore_query.is_empty() {
+            return Err(FingerprintSpecError::IgnoreQueryWithoutQuery);
+        }
+        Ok(())
+    }
+
+    /// The description hashed after the format tag: the four switches,
+    /// then each list (`ignore_query`, `headers`, `exclude`, `include`) as
+    /// a count and its entries, each length-prefixed, so two specs that
+    /// differ have different descriptions.
+    fn describe(&self) -> Vec<u8> {
+        fn list<'a>(d: &mut Vec<u8>, items: impl ExactSizeIterator<Item = &'a [u8]>) {
+            d.extend_from_slice(&(items.len() as u64).to_be_bytes());
+            for item in items {
+                d.extend_from_slice(&(item.len() as u64).to_be_bytes());
+                d.extend_from_slice(item);
             }
+        }
+        let mut d = Vec::with_capacity(64);
+        d.extend_from_slice(&[
+            u8::from(self.method),
+            u8::from(self.path),
+            u8::from(self.query),
+            u8::from(self.body),
+        ]);
+        list(&mut d, self.ignore_query.iter().map(|s| s.as_bytes()));
+        list(&mut d, self.headers.iter().map(|h| h.as_str().as_bytes()));
+        list(&mut d, self.exclude.iter().map(|s| s.as_bytes()));
+        list(&mut d, self.include.iter().map(|s| s.as_bytes()));
+        d
     }
 }
 
-/// The fingerprint of a request under `spec`; equal to
-/// [`request_fingerprint`] for the default spec.
+/// The fingerprint of a request under `spec` (see [`FingerprintSpec`]);
+/// equal to [`request_fingerprint`] for the default spec, which returns
+/// early (the hot path costs a few field checks more, no allocation).
+///
+/// Otherwise a SHA-256, every part length-prefixed, over: the tag
+/// `idem-http/fingerprint/2`; the spec's description; the method (when
+/// on); the path (when on, else `spec.route`); the query parameters left
+/// after `ignore_query`, as a count and each in order (when on); for each
+/// header of `headers`, its name, the count of its fields and each value;
+/// every `Content-Type` value as [`request_fingerprint`] hashes them; the
+/// body (when on): whole as [`request_fingerprint`] hashes it, or, with
+/// `exclude` / `include` and a JSON body that is I-JSON, the RFC 8785
+/// canonical form of what they leave (else the raw bytes, whole).
+///
+/// Never fails: a spec [`FingerprintSpec::validate`] would refuse gives a
+/// fingerprint all the same (a pointer that is not RFC 6901 makes the body
+/// count raw, whole).
+///
+/// ```
+/// use http::{HeaderMap, Method, Uri};
+/// use idem_http::fingerprint::{request_fingerprint_with, FingerprintSpec};
+/// let spec = FingerprintSpec {
+///     ignore_query: vec!["utm_source".into()],
+///     exclude: vec!["/delivered_at".into()],
+///     ..FingerprintSpec::default()
+/// };
+/// let mut h = HeaderMap::new();
+/// h.insert("content-type", "application/json".parse().unwrap());
+/// let fp = |uri: &str, body: &str| {
+///     let uri: Uri = uri.parse().unwrap();
+///     request_fingerprint_with(&spec, &Method::POST, &uri, &h, body.as_bytes())
+/// };
+/// assert_eq!(
+///     fp("/hooks?a=1&utm_source=x", r#"{"id":1,"delivered_at":"x"}"#),
+///     fp("/hooks?a=1", r#"{"delivered_at":"y","id":1}"#),
+/// );
+/// assert_ne!(fp("/hooks?a=1", r#"{"id":1}"#), fp("/hooks?a=1", r#"{"id":2}"#));
+/// ```
 pub fn request_fingerprint_with(
     spec: &FingerprintSpec,
     method: &Method,
@@ -168,8 +379,201 @@ pub fn request_fingerprint_with(
     if spec.is_default() {
         return request_fingerprint(method, uri, headers, body);
     }
-    // TODO(fp helper): the parts of `spec`.
-    request_fingerprint(method, uri, headers, body)
+    let mut b = FingerprintBuilder::new();
+    b.part(FORMAT_SPEC);
+    b.part(&spec.describe());
+    if spec.method {
+        b.part(method.as_str().as_bytes());
+    }
+    if spec.path {
+        b.part(uri.path().as_bytes());
+    } else {
+        b.part(spec.route.as_bytes());
+    }
+    if spec.query {
+        let params: Vec<&str> = match uri.query() {
+            None => Vec::new(),
+            Some(q) => q
+                .split('&')
+                .filter(|p| !ignored_param(p, &spec.ignore_query))
+                .collect(),
+        };
+        b.part(&(params.len() as u64).to_be_bytes());
+        for p in params {
+            b.part(p.as_bytes());
+        }
+    }
+    for name in &spec.headers {
+        b.part(name.as_str().as_bytes());
+        let values = headers.get_all(name);
+        b.part(&(values.iter().count() as u64).to_be_bytes());
+        for v in values {
+            b.part(v.as_bytes());
+        }
+    }
+    let content_types = content_types(&mut b, headers);
+    if spec.body {
+        let json = is_json_body(&content_types);
+        if spec.exclude.is_empty() && spec.include.is_empty() {
+            whole_body(&mut b, json, body);
+        } else if !json || !selected_body(&mut b, spec, body) {
+            b.part(b"raw").part(body);
+        }
+    }
+    b.finish()
+}
+
+/// Hashes what `spec.include` or `spec.exclude` leave of a JSON `body`;
+/// `false` (nothing hashed) when the body is not I-JSON or a pointer is not
+/// RFC 6901: then the caller hashes it raw.
+fn selected_body(b: &mut FingerprintBuilder, spec: &FingerprintSpec, body: &[u8]) -> bool {
+    let Some(mut value) = strict_value(body) else {
+        return false;
+    };
+    if !spec.include.is_empty() {
+        // One part per pointer: absent, or the canonical form of its value.
+        let mut parts: Vec<Option<Vec<u8>>> = Vec::with_capacity(spec.include.len());
+        for p in &spec.include {
+            let Ok(tokens) = pointer_tokens(p) else {
+                return false;
+            };
+            match crate::body_key::lookup(&value, &tokens) {
+                None => parts.push(None),
+                Some(v) => match canonical_value(v) {
+                    Some(c) => parts.push(Some(c)),
+                    None => return false,
+                },
+            }
+        }
+        b.part(b"include");
+        for part in parts {
+            match part {
+                None => b.part(b"absent"),
+                Some(c) => b.part(b"jcs").part(&c),
+            };
+        }
+        return true;
+    }
+    let mut pointers = Vec::with_capacity(spec.exclude.len());
+    for p in &spec.exclude {
+        let Ok(tokens) = pointer_tokens(p) else {
+            return false;
+        };
+        pointers.push(tokens);
+    }
+    if pointers.iter().any(Vec::is_empty) {
+        // `""` leaves out the whole document.
+        b.part(b"excluded");
+        return true;
+    }
+    let refs: Vec<&[String]> = pointers.iter().map(Vec::as_slice).collect();
+    remove_pointers(&mut value, &refs);
+    match canonical_value(&value) {
+        Some(c) => {
+            b.part(b"jcs").part(&c);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Removes from `value` what each of `pointers` (reference tokens, none
+/// empty) finds, every pointer resolved against `value` as it was before
+/// any removal (so array indexes do not shift from one pointer to the
+/// next).
+fn remove_pointers(value: &mut Value, pointers: &[&[String]]) {
+    match value {
+        Value::Object(map) => {
+            let mut done: Vec<&str> = Vec::new();
+            for p in pointers {
+                let first = p[0].as_str();
+                if done.contains(&first) {
+                    continue;
+                }
+                done.push(first);
+                let same: Vec<&[String]> = pointers
+                    .iter()
+                    .filter(|q| q[0] == first)
+                    .map(|q| &q[1..])
+                    .collect();
+                if same.iter().any(|rest| rest.is_empty()) {
+                    map.remove(first);
+                } else if let Some(member) = map.get_mut(first) {
+                    remove_pointers(member, &same);
+                }
+            }
+        }
+        Value::Array(items) => {
+            let mut gone: Vec<usize> = Vec::new();
+            let mut done: Vec<usize> = Vec::new();
+            for p in pointers {
+                let Some(i) = array_index(&p[0]).filter(|&i| i < items.len()) else {
+                    continue;
+                };
+                if done.contains(&i) {
+                    continue;
+                }
+                done.push(i);
+                let same: Vec<&[String]> = pointers
+                    .iter()
+                    .filter(|q| array_index(&q[0]) == Some(i))
+                    .map(|q| &q[1..])
+                    .collect();
+                if same.iter().any(|rest| rest.is_empty()) {
+                    gone.push(i);
+                } else {
+                    remove_pointers(&mut items[i], &same);
+                }
+            }
+            gone.sort_unstable();
+            for i in gone.into_iter().rev() {
+                items.remove(i);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Whether the query parameter `param` is one of `ignored` by name (see
+/// [`FingerprintSpec::ignore_query`]).
+fn ignored_param(param: &str, ignored: &[String]) -> bool {
+    if ignored.is_empty() {
+        return false;
+    }
+    let name = param.split_once('=').map_or(param, |(n, _)| n);
+    let name = form_decode(name);
+    ignored.iter().any(|i| i.as_bytes() == &*name)
+}
+
+/// `application/x-www-form-urlencoded` decoding of a name: `+` is a space,
+/// `%XX` (two hex digits) is that byte, a malformed escape stays as written.
+fn form_decode(s: &str) -> Cow<'_, [u8]> {
+    let bytes = s.as_bytes();
+    if !bytes.iter().any(|&c| c == b'%' || c == b'+') {
+        return Cow::Borrowed(bytes);
+    }
+    let hex = |c: u8| char::from(c).to_digit(16);
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                    (Some(h), Some(l)) => {
+                        // Two hex digits: at most 0xFF.
+                        out.push(u8::try_from(h * 16 + l).unwrap_or(b'%'));
+                        i += 3;
+                        continue;
+                    }
+                    _ => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    Cow::Owned(out)
 }
 
 /// Whether a `Content-Type` value names JSON: `application/json` or a type
@@ -217,11 +621,33 @@ pub fn is_json_media_type(content_type: &[u8]) -> bool {
 /// assert_eq!(canonical_json(br#"{"amount":0.1000000000000000001}"#), None);
 /// ```
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    let Strict(value) = serde_json::from_slice(body).ok()?;
+    canonical_value(&strict_value(body)?)
+}
+
+/// The value of a JSON text that [`canonical_json`] accepts (I-JSON, every
+/// number fits a double), else `None`.
+fn strict_value(body: &[u8]) -> Option<Value> {
+    let Strict::<true>(value) = serde_json::from_slice(body).ok()?;
     if !numbers_fit_doubles(body) {
         return None;
     }
-    serde_json_canonicalizer::to_vec(&value).ok()
+    Some(value)
+}
+
+/// The RFC 8785 canonical form of a value [`strict_value`] gave (or a part
+/// of one).
+fn canonical_value(value: &Value) -> Option<Vec<u8>> {
+    serde_json_canonicalizer::to_vec(value).ok()
+}
+
+/// The value of a JSON text parsed as strictly as [`canonical_json`] parses
+/// it (duplicate member names, lone surrogates, nesting deeper than 128,
+/// serde_json's private member names are errors) except for numbers, which
+/// are kept as serde_json reads them (an integer literal that fits 64 bits
+/// exactly; any other number as a double). For [`crate::body_key`].
+pub(crate) fn strict_structure(body: &[u8]) -> Result<Value, serde_json::Error> {
+    let Strict::<false>(value) = serde_json::from_slice(body)?;
+    Ok(value)
 }
 
 /// Whether every number literal of `json` (a valid JSON text) has the
@@ -385,8 +811,9 @@ impl Decimal {
 
 /// A JSON value that refuses what RFC 7493 (I-JSON) excludes and RFC 8785
 /// relies on: duplicate member names (two parsers may read two different
-/// requests) and numbers that a double cannot hold exactly.
-struct Strict(Value);
+/// requests) and, when `EXACT`, numbers that a double cannot hold exactly
+/// (without `EXACT`, numbers are kept as serde_json reads them).
+struct Strict<const EXACT: bool>(Value);
 
 /// Member names serde_json reserves for its own tokens (with its
 /// `raw_value` or `arbitrary_precision` features, which other crates of a
@@ -403,41 +830,41 @@ fn inexact<E: de::Error>() -> E {
     E::custom("number of magnitude 2^53 or more")
 }
 
-impl<'de> Deserialize<'de> for Strict {
+impl<'de, const EXACT: bool> Deserialize<'de> for Strict<EXACT> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(StrictVisitor)
+        d.deserialize_any(StrictVisitor::<EXACT>)
     }
 }
 
-struct StrictVisitor;
+struct StrictVisitor<const EXACT: bool>;
 
-impl<'de> Visitor<'de> for StrictVisitor {
-    type Value = Strict;
+impl<'de, const EXACT: bool> Visitor<'de> for StrictVisitor<EXACT> {
+    type Value = Strict<EXACT>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON value")
     }
 
-    fn visit_bool<E>(self, v: bool) -> Result<Strict, E> {
+    fn visit_bool<E>(self, v: bool) -> Result<Strict<EXACT>, E> {
         Ok(Strict(Value::Bool(v)))
     }
 
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Strict, E> {
-        if v.unsigned_abs() >= EXACT_LIMIT {
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Strict<EXACT>, E> {
+        if EXACT && v.unsigned_abs() >= EXACT_LIMIT {
             return Err(inexact());
         }
         Ok(Strict(Value::Number(v.into())))
     }
 
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Strict, E> {
-        if v >= EXACT_LIMIT {
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Strict<EXACT>, E> {
+        if EXACT && v >= EXACT_LIMIT {
             return Err(inexact());
         }
         Ok(Strict(Value::Number(v.into())))
     }
 
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Strict, E> {
-        if v.abs() >= EXACT_LIMIT as f64 {
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Strict<EXACT>, E> {
+        if EXACT && v.abs() >= EXACT_LIMIT as f64 {
             return Err(inexact());
         }
         Number::from_f64(v)
@@ -445,31 +872,31 @@ impl<'de> Visitor<'de> for StrictVisitor {
             .ok_or_else(|| E::custom("number out of range"))
     }
 
-    fn visit_str<E>(self, v: &str) -> Result<Strict, E> {
+    fn visit_str<E>(self, v: &str) -> Result<Strict<EXACT>, E> {
         Ok(Strict(Value::String(v.to_owned())))
     }
 
-    fn visit_string<E>(self, v: String) -> Result<Strict, E> {
+    fn visit_string<E>(self, v: String) -> Result<Strict<EXACT>, E> {
         Ok(Strict(Value::String(v)))
     }
 
-    fn visit_unit<E>(self) -> Result<Strict, E> {
+    fn visit_unit<E>(self) -> Result<Strict<EXACT>, E> {
         Ok(Strict(Value::Null))
     }
 
-    fn visit_none<E>(self) -> Result<Strict, E> {
+    fn visit_none<E>(self) -> Result<Strict<EXACT>, E> {
         Ok(Strict(Value::Null))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Strict, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Strict<EXACT>, A::Error> {
         let mut out = Vec::new();
-        while let Some(Strict(v)) = seq.next_element()? {
+        while let Some(Strict::<EXACT>(v)) = seq.next_element()? {
             out.push(v);
         }
         Ok(Strict(Value::Array(out)))
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Strict, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Strict<EXACT>, A::Error> {
         let mut out = Map::new();
         while let Some(k) = map.next_key::<String>()? {
             if out.contains_key(&k) {
@@ -478,7 +905,7 @@ impl<'de> Visitor<'de> for StrictVisitor {
             if k.starts_with(SERDE_JSON_PRIVATE) {
                 return Err(de::Error::custom("serde_json's private member name"));
             }
-            let Strict(v) = map.next_value()?;
+            let Strict::<EXACT>(v) = map.next_value()?;
             out.insert(k, v);
         }
         Ok(Strict(Value::Object(out)))
@@ -769,6 +1196,113 @@ mod tests {
             base,
             request_fingerprint(&Method::POST, &"http://h/orders".parse().unwrap(), &h, body)
         );
+    }
+
+    #[test]
+    fn form_decoding_of_query_names() {
+        let d = |s: &str| form_decode(s).into_owned();
+        assert_eq!(d("utm_source"), b"utm_source");
+        assert_eq!(d("utm%5Fsource"), b"utm_source");
+        assert_eq!(d("utm%5fsource"), b"utm_source");
+        assert_eq!(d("a+b"), b"a b");
+        assert_eq!(d("a%2Bb"), b"a+b");
+        assert_eq!(d("%"), b"%");
+        assert_eq!(d("%4"), b"%4");
+        assert_eq!(d("a%4"), b"a%4");
+        assert_eq!(d("%zz%41"), b"%zzA");
+        assert_eq!(d("%FF"), [0xFF]);
+        assert_eq!(d("%%41"), b"%A");
+        assert!(matches!(form_decode("plain"), Cow::Borrowed(_)));
+        assert!(ignored_param("a%20b=1", &["a b".into()]));
+        assert!(ignored_param("utm", &["utm".into()]));
+        assert!(!ignored_param("utm", &[]));
+        assert!(!ignored_param("x=utm", &["utm".into()]));
+    }
+
+    #[test]
+    fn pointers_are_removed_against_the_original() {
+        let remove = |body: &str, ptrs: &[&str]| {
+            let mut v: Value = serde_json::from_str(body).unwrap();
+            let tokens: Vec<Vec<String>> = ptrs
+                .iter()
+                .map(|p| crate::body_key::pointer_tokens(p).unwrap())
+                .collect();
+            let refs: Vec<&[String]> = tokens.iter().map(Vec::as_slice).collect();
+            remove_pointers(&mut v, &refs);
+            serde_json::to_string(&v).unwrap()
+        };
+        assert_eq!(remove(r#"{"a":1,"b":2}"#, &["/a"]), r#"{"b":2}"#);
+        assert_eq!(remove(r#"[0,1,2,3]"#, &["/2", "/0"]), "[1,3]");
+        assert_eq!(remove(r#"[0,1,2,3]"#, &["/0", "/0"]), "[1,2,3]");
+        assert_eq!(remove(r#"[0,1,2,3]"#, &["/4", "/-", "/01"]), "[0,1,2,3]");
+        assert_eq!(
+            remove(
+                r#"{"a":{"b":1,"c":2},"d":[{"e":1,"f":2}]}"#,
+                &["/a/b", "/d/0/e"]
+            ),
+            r#"{"a":{"c":2},"d":[{"f":2}]}"#
+        );
+        assert_eq!(remove(r#"{"a":{"b":1}}"#, &["/a/b", "/a"]), "{}");
+        assert_eq!(remove(r#"{"a":"s"}"#, &["/a/b"]), r#"{"a":"s"}"#);
+        assert_eq!(remove(r#"{"":1,"x":2}"#, &["/"]), r#"{"x":2}"#);
+    }
+
+    #[test]
+    fn is_default_ignores_only_the_route() {
+        assert!(FingerprintSpec::default().is_default());
+        assert!(FingerprintSpec {
+            route: "r".into(),
+            ..Default::default()
+        }
+        .is_default());
+        for s in [
+            FingerprintSpec {
+                method: false,
+                ..Default::default()
+            },
+            FingerprintSpec {
+                path: false,
+                ..Default::default()
+            },
+            FingerprintSpec {
+                query: false,
+                ..Default::default()
+            },
+            FingerprintSpec {
+                body: false,
+                ..Default::default()
+            },
+            FingerprintSpec {
+                ignore_query: vec![String::new()],
+                ..Default::default()
+            },
+            FingerprintSpec {
+                headers: vec![header::ACCEPT],
+                ..Default::default()
+            },
+            FingerprintSpec {
+                exclude: vec![String::new()],
+                ..Default::default()
+            },
+            FingerprintSpec {
+                include: vec![String::new()],
+                ..Default::default()
+            },
+        ] {
+            assert!(!s.is_default(), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn canonical_json_is_the_canonical_form_of_the_strict_value() {
+        for body in [
+            r#"{"b":[1,2.50,{"d":null,"c":"\u00e9"}],"a":-0}"#,
+            "[]",
+            "1e2",
+        ] {
+            let v = strict_value(body.as_bytes()).unwrap();
+            assert_eq!(canonical_json(body.as_bytes()), canonical_value(&v));
+        }
     }
 
     /// A JSON value of bounded size (no duplicate keys: objects are maps).
