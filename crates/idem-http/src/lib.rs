@@ -39,6 +39,23 @@
 //! (`abc` for `"abc"`, `abc` or `"abc";p=1`), so one key to the layer is
 //! one value to the service behind it.
 //!
+//! ## Per-route rules
+//!
+//! [`IdempotencyLayer::with_routes`] takes an ordered list of [`Route`]s,
+//! first match wins ([`routes`]): each names the methods and the path
+//! pattern (`/payments`, `/orders/{id}/items`, matched by segment on the
+//! normalised, decoded, lower-cased path) it covers and carries a complete
+//! [`Options`] — TTL, lease, wait, `require_key`, body and retention
+//! limits, scope, where the key comes from ([`KeySource`]: a header, or a
+//! JSON Pointer into the body), which parts of the request are
+//! fingerprinted ([`fingerprint::FingerprintSpec`]) and which statuses are
+//! stored ([`StatusPolicy`]) — or passes its requests through untouched
+//! (`guard = false`). A request no route matches gets the layer's own
+//! options (route `default`). [`IdempotencyLayer::reload`] replaces the
+//! rules while the services serve; a request keeps the rules it started
+//! with. The route's name is the `route` label of the request metrics and
+//! a field of the log line.
+//!
 //! ## A response body that fails
 //!
 //! A stored response's body is buffered (up to the retention limit) before

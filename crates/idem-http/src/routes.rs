@@ -402,6 +402,20 @@ impl Table {
         }
     }
 
+    /// [`Table::rules_for`] for a normalised path (put in rule form only
+    /// when there are routes to match).
+    pub(crate) fn rules_for_path(&self, method: &Method, normal_path: &str) -> Option<&Rules> {
+        if self.routes.is_empty() {
+            return self
+                .default
+                .options
+                .methods
+                .contains(method)
+                .then_some(&self.default);
+        }
+        self.rules_for(method, &rule_form(normal_path))
+    }
+
     /// The rules for `method` on a path in rule form: the first route that
     /// covers both, else the default when it covers the method; `None`: no
     /// rule covers this request (pass it through).

@@ -28,7 +28,7 @@ use crate::key::{
 };
 use crate::observe::{token_rejected, Finished, Observer, RequestOutcome, TokenRejection};
 use crate::options::{FailOpenGuard, Options};
-use crate::path::{normalize_path, rule_form, PathError};
+use crate::path::{normalize_path, PathError};
 use crate::policy::Disposition;
 use crate::problem::Problem;
 use crate::replay::{replay_response, to_stored};
@@ -153,8 +153,8 @@ where
             Ok(uri) => uri,
             Err(e) => return ready(log(&req, &table.default).rejected(ambiguous_path(&e))),
         };
-        let rule_path = rule_form(normal.as_ref().map_or(req.uri().path(), |u| u.path()));
-        let Some(rules) = table.rules_for(req.method(), &rule_path) else {
+        let normal_path = normal.as_ref().map_or(req.uri().path(), |u| u.path());
+        let Some(rules) = table.rules_for_path(req.method(), normal_path) else {
             // No rule guards this method on this path: untouched.
             return pass_through(&mut inner, req, started, &table, access_log)
                 .in_span(entered.exit());

@@ -472,7 +472,36 @@ impl Drop for Upstream {
 // ---------------------------------------------------------------- gateway
 
 /// A free port on 127.0.0.1 (bound, read, closed).
+///
+/// The port is drawn from 20000–32767, below Linux's ephemeral range
+/// (32768–60999): a port the kernel hands out for port 0 is in that range,
+/// where any outgoing connection of a parallel test may take it between
+/// this check and the gateway's own bind (seen as `Address already in
+/// use`). Ports handed out by this process are not handed out again.
 pub fn free_addr() -> SocketAddr {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let seed = u64::from(std::process::id()).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+    for _ in 0..1000 {
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        let mut x = seed ^ n.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x ^= x >> 31;
+        x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^= x >> 29;
+        let port = 20000 + (x % 12768) as u16;
+        let mut given = GIVEN.lock().unwrap();
+        if given.contains(&port) {
+            continue;
+        }
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            given.push(port);
+            return l.local_addr().unwrap();
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
