@@ -1595,3 +1595,150 @@ async fn the_example_runs_its_three_routes() {
     assert_replay_of(&d2, &d1, "delivery 2");
     assert_eq!(up.on("/webhooks"), 1);
 }
+
+// ------------------------------------------------------------------ reload
+
+/// The routes of the reload test: payments with `require_key` on or off.
+fn payments_route(require_key: bool) -> String {
+    format!(
+        "\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nrequire_key = {require_key}\n"
+    )
+}
+
+/// How many lines of the gateway's log contain `needle`.
+fn log_count(gw: &Gw, needle: &str) -> usize {
+    gw.proc
+        .logs()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_under_load_drops_no_request_and_keeps_the_rules_on_a_bad_file() {
+    let up = Echo::start().await;
+    let mut gw = Gw::start("reload", &up, "", &payments_route(false)).await;
+    let c = client();
+    assert_executed(
+        &post(&c, &gw, "/payments", None, "{}").await,
+        201,
+        "keyless POST before the reload",
+    );
+    let head = std::fs::read_to_string(&gw.config).unwrap();
+    let head = head.split("[[routes]]").next().unwrap().to_owned();
+    let config = gw.config.clone();
+    let write = |routes: &str| std::fs::write(&config, format!("{head}{routes}")).unwrap();
+
+    // A client loop: keyed requests, which every version of the file lets
+    // through, must all succeed while the file is rewritten.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let looper = {
+        let (c, stop, url) = (c.clone(), stop.clone(), gw.url("/payments"));
+        tokio::spawn(async move {
+            let (mut ok, mut failed) = (0usize, Vec::new());
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                i += 1;
+                let r = c
+                    .post(&url)
+                    .header("idempotency-key", format!("loop-{i}"))
+                    .header("content-type", "application/json")
+                    .body("{}")
+                    .send()
+                    .await;
+                match r {
+                    Ok(r) if r.status() == 201 => ok += 1,
+                    Ok(r) => failed.push(format!("loop-{i}: {}", r.status())),
+                    Err(e) => failed.push(format!("loop-{i}: {e}")),
+                }
+            }
+            (ok, failed)
+        })
+    };
+    let bad = [
+        "\n[[routes]]\nname = \"payments\"\npath = \"payments\"\n",
+        "\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nttll = \"1h\"\n",
+        "\n[[routes]\nname = ",
+    ];
+    for round in 0..20 {
+        match round % 4 {
+            0 => write(&payments_route(true)),
+            1 | 3 => write(bad[round % bad.len()]),
+            _ => write(&payments_route(false)),
+        }
+        gw.proc.signal("-HUP");
+        tokio::time::sleep(Duration::from_millis(120)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (ok, failed) = looper.await.unwrap();
+    assert!(ok > 0, "the client loop ran");
+    assert!(
+        failed.is_empty(),
+        "no request fails during reloads: {failed:?}\n{}",
+        gw.logs()
+    );
+    assert!(
+        gw.proc.running(),
+        "the gateway survives the reloads:\n{}",
+        gw.logs()
+    );
+
+    // A good file is applied: keyless payments are refused now.
+    write(&payments_route(true));
+    gw.proc.signal("-HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = post(&c, &gw, "/payments", None, "{}").await;
+        if got.status == 400 {
+            assert_problem(&got, 400, Some("key-required"), "after the reload");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "require_key = true not applied within 10 s: {got:?}\n{}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A bad file changes nothing and says why.
+    let failures = log_count(&gw, "configuration reload failed");
+    write(bad[0]);
+    gw.proc.signal("-HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while log_count(&gw, "configuration reload failed") <= failures {
+        assert!(
+            Instant::now() < deadline,
+            "no `configuration reload failed` line within 10 s:\n{}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let got = post(&c, &gw, "/payments", None, "{}").await;
+    assert_problem(
+        &got,
+        400,
+        Some("key-required"),
+        "the running rules are kept",
+    );
+    let (status, _) = gw.proc.health(&c).await;
+    assert_eq!(status, 200, "health is not affected by a bad file");
+    let text = c
+        .get(format!("http://{}/metrics", gw.proc.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("idem_config_last_reload_success")
+                && l.trim_end().ends_with(" 0")),
+        "idem_config_last_reload_success 0 after a refused reload:\n{}",
+        text.lines()
+            .filter(|l| l.starts_with("idem_config"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
