@@ -246,8 +246,13 @@ impl fmt::Display for Report {
     }
 }
 
+/// A value as TOML would write it: booleans and numbers bare, the rest quoted.
 fn quote(v: &str) -> String {
-    format!("{v:?}")
+    if v == "true" || v == "false" || (!v.is_empty() && v.bytes().all(|b| b.is_ascii_digit())) {
+        v.to_owned()
+    } else {
+        format!("{v:?}")
+    }
 }
 
 /// Why a configuration file could not be used.
@@ -505,7 +510,12 @@ pub fn load_str(matches: &ArgMatches, path: &Path, text: &str) -> Result<Loaded,
             let DeValue::Table(table) = item.get_ref() else {
                 return Err(at(item.span(), format!("routes[{i}] is not a table")));
             };
-            let (line, _) = line_col(text, header_start(text, item.span().start));
+            let first_key = table
+                .iter()
+                .map(|(k, _)| k.span().start)
+                .min()
+                .unwrap_or(item.span().start);
+            let (line, _) = line_col(text, header_start(text, first_key));
             let (route, report) = build_route(&config.layer, table, i, line, text)
                 .map_err(|(span, m)| at(span.unwrap_or_else(|| item.span()), m))?;
             lines.push((route.name.clone(), line));
@@ -958,10 +968,16 @@ fn build_route(
         .iter()
         .map(|(k, _)| (k.get_ref().to_string(), line_col(text, k.span().start).0))
         .collect();
+    let mut settings = route_settings(&route, &given);
+    if let Some((_, v)) = find("status_policy") {
+        if let Some(s) = settings.iter_mut().find(|s| s.key == "status_policy") {
+            s.value = string(v, "status_policy")?;
+        }
+    }
     let report = RouteReport {
         name: name.clone(),
         line: Some(header_line),
-        settings: route_settings(&route, &given),
+        settings,
     };
     Ok((route, report))
 }

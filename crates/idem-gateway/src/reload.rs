@@ -108,7 +108,6 @@ pub(crate) fn register_metrics() {
 /// Reloads from `source` into `layer` on SIGHUP and on change until `stop`
 /// is cancelled.
 pub(crate) async fn run(source: ConfigSource, layer: IdempotencyLayer, stop: CancellationToken) {
-    register_metrics();
     #[cfg(unix)]
     let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
         Ok(s) => Some(s),
@@ -117,6 +116,9 @@ pub(crate) async fn run(source: ConfigSource, layer: IdempotencyLayer, stop: Can
             None
         }
     };
+    // After the handler: once the metrics show, SIGHUP reloads (and no
+    // longer ends the process).
+    register_metrics();
     let mut last = stamp(&source.path);
     let mut tick = tokio::time::interval(POLL_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -283,6 +283,13 @@ impl IdempotencyLayer {
                 reason: "no method".into(),
             });
         }
+        options
+            .fingerprint
+            .validate()
+            .map_err(|e| RouteError::Invalid {
+                route: crate::routes::DEFAULT_ROUTE.into(),
+                reason: format!("fingerprint: {e}"),
+            })?;
         let table = Table::new(&self.store, &self.options, &options, &routes);
         self.rules().store(Arc::new(table));
         Ok(())

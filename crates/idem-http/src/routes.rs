@@ -289,12 +289,13 @@ pub fn validate_routes(routes: &[Route]) -> Result<(), RouteError> {
                 return Err(invalid("max_body is 0".into()));
             }
             if let KeySource::JsonPointer(p) = &r.options.key_source {
-                if !(p.is_empty() || p.starts_with('/')) {
-                    return Err(invalid(format!(
-                        "key_json_pointer {p:?} is not a JSON Pointer (RFC 6901: empty or starting with '/')"
-                    )));
-                }
+                crate::body_key::validate_pointer(p)
+                    .map_err(|e| invalid(format!("key_json_pointer {p:?}: {e}")))?;
             }
+            r.options
+                .fingerprint
+                .validate()
+                .map_err(|e| invalid(format!("fingerprint: {e}")))?;
         }
     }
     Ok(())
