@@ -1058,15 +1058,17 @@ status_policy = "store-5xx"
     let gw = Gw::start("store-5xx", &up, "", routes).await;
     let c = client();
     let fail = [("idempotency-key", "k-500"), ("x-status", "500")];
+    // One key on two routes (one scope) is one record: another key there.
+    let fail_b = [("idempotency-key", "k-500b"), ("x-status", "500")];
     let first = send(&c, &gw, "POST", "/payments", &fail, "{}").await;
     assert_executed(&first, 500, "payments 500");
     let again = send(&c, &gw, "POST", "/payments", &fail, "{}").await;
     assert_replay_of(&again, &first, "store-5xx: the 500 is replayed");
     assert_eq!(up.on("/payments"), 1);
 
-    let first = send(&c, &gw, "POST", "/orders", &fail, "{}").await;
+    let first = send(&c, &gw, "POST", "/orders", &fail_b, "{}").await;
     assert_executed(&first, 500, "default 500");
-    let again = send(&c, &gw, "POST", "/orders", &fail, "{}").await;
+    let again = send(&c, &gw, "POST", "/orders", &fail_b, "{}").await;
     assert_executed(
         &again,
         500,
@@ -1087,6 +1089,8 @@ statuses = { "504" = "hold" }
     let gw = Gw::start("hold-504", &up, "", routes).await;
     let c = client();
     let timeout = [("idempotency-key", "k-504"), ("x-status", "504")];
+    // One key on two routes (one scope) is one record: another key there.
+    let timeout_b = [("idempotency-key", "k-504b"), ("x-status", "504")];
     let first = send(&c, &gw, "POST", "/payments", &timeout, "{}").await;
     assert_eq!(first.status, 504, "{first:?}");
     let again = send(&c, &gw, "POST", "/payments", &timeout, "{}").await;
@@ -1098,9 +1102,9 @@ statuses = { "504" = "hold" }
     );
     assert_eq!(up.on("/payments"), 1, "held: the retry does not run");
 
-    let first = send(&c, &gw, "POST", "/orders", &timeout, "{}").await;
+    let first = send(&c, &gw, "POST", "/orders", &timeout_b, "{}").await;
     assert_eq!(first.status, 504, "{first:?}");
-    let again = send(&c, &gw, "POST", "/orders", &timeout, "{}").await;
+    let again = send(&c, &gw, "POST", "/orders", &timeout_b, "{}").await;
     assert_executed(&again, 504, "default policy: an upstream 504 is released");
     assert_eq!(up.on("/orders"), 2);
 }
@@ -1143,6 +1147,8 @@ retention_limit = "1KiB"
     let gw = Gw::start("retention", &up, "", routes).await;
     let c = client();
     let big = [("idempotency-key", "k-rep"), ("x-size", "4096")];
+    // One key on two routes (one scope) is one record: another key there.
+    let big_b = [("idempotency-key", "k-rep2"), ("x-size", "4096")];
     let first = send(&c, &gw, "POST", "/reports", &big, "{}").await;
     assert_executed(&first, 201, "a 4 kB answer reaches its first caller");
     assert!(first.body.len() >= 4096);
@@ -1155,9 +1161,9 @@ retention_limit = "1KiB"
     );
     assert_eq!(up.on("/reports"), 1, "not run again");
 
-    let first = send(&c, &gw, "POST", "/other", &big, "{}").await;
+    let first = send(&c, &gw, "POST", "/other", &big_b, "{}").await;
     assert_executed(&first, 201, "default route");
-    let again = send(&c, &gw, "POST", "/other", &big, "{}").await;
+    let again = send(&c, &gw, "POST", "/other", &big_b, "{}").await;
     assert_replay_of(&again, &first, "under the default 1 MiB the answer is kept");
 }
 
@@ -1221,9 +1227,9 @@ fingerprint_ignore_query = ["utm_source"]
     );
 
     // Elsewhere every parameter counts.
-    let first = post(&c, &gw, "/orders?utm_source=mail", Some("k-q"), "{}").await;
+    let first = post(&c, &gw, "/orders?utm_source=mail", Some("k-q2"), "{}").await;
     assert_executed(&first, 201, "default route");
-    let other = post(&c, &gw, "/orders?utm_source=ads", Some("k-q"), "{}").await;
+    let other = post(&c, &gw, "/orders?utm_source=ads", Some("k-q2"), "{}").await;
     assert_problem(
         &other,
         422,
@@ -1280,6 +1286,8 @@ fingerprint_headers = ["x-tenant"]
 
     // X-Tenant counts on tenants, not elsewhere.
     let t = |tenant: &'static str| [("idempotency-key", "k-t"), ("x-tenant", tenant)];
+    // One key on two routes (one scope) is one record: another key here.
+    let t_b = |tenant: &'static str| [("idempotency-key", "k-t2"), ("x-tenant", tenant)];
     let first = send(&c, &gw, "POST", "/tenants", &t("t1"), "{}").await;
     assert_executed(&first, 201, "tenant t1");
     let same = send(&c, &gw, "POST", "/tenants", &t("t1"), "{}").await;
@@ -1291,16 +1299,16 @@ fingerprint_headers = ["x-tenant"]
         Some("key-mismatch"),
         "the same key from tenant t2",
     );
-    let first = send(&c, &gw, "POST", "/orders", &t("t1"), "{}").await;
+    let first = send(&c, &gw, "POST", "/orders", &t_b("t1"), "{}").await;
     assert_executed(&first, 201, "default route");
-    let other = send(&c, &gw, "POST", "/orders", &t("t2"), "{}").await;
+    let other = send(&c, &gw, "POST", "/orders", &t_b("t2"), "{}").await;
     assert_replay_of(
         &other,
         &first,
         "X-Tenant does not count on the default route",
     );
     // And the body does count on the default route.
-    let changed = post(&c, &gw, "/orders", Some("k-t"), r#"{"amount":1}"#).await;
+    let changed = post(&c, &gw, "/orders", Some("k-t2"), r#"{"amount":1}"#).await;
     assert_problem(
         &changed,
         422,
