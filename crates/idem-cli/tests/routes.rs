@@ -14,12 +14,16 @@
 //! Covered: webhooks keyed by a JSON Pointer into the body (redeliveries,
 //! excluded fields, a changed amount, a missing pointer, a body that is not
 //! JSON, with and without `require_key`); route precedence (first match
-//! wins, methods, `{id}` placeholders, path spellings); per-route
-//! `require_key`, `guard`, `ttl`, `lease`, `wait`, `status_policy`,
-//! `statuses`, `max_body`, `retention_limit`, `scope_headers`,
-//! `fingerprint_ignore_query`, `key_header`; the route name in logs and
-//! metrics; the example file `examples/config/idem.toml` under
-//! `idem config check` and as a running gateway.
+//! wins, methods — also one the top level does not guard —, `{id}`
+//! placeholders, path spellings); per-route `require_key`, `require_token`,
+//! `guard`, `ttl`, `lease`, `wait`, `status_policy`, `statuses`,
+//! `max_body`, `retention_limit`, `scope_headers`,
+//! `fingerprint_ignore_query`, `fingerprint_headers`,
+//! `fingerprint_include`, `key_header`; the route name in logs and metrics;
+//! `idem config check` on bad files; reload on SIGHUP under load (20
+//! rewrites, invalid ones among them, no failed request); the example file
+//! `examples/config/idem.toml` under `idem config check` and as a running
+//! gateway.
 
 mod support;
 
@@ -1315,6 +1319,116 @@ fingerprint_headers = ["x-tenant"]
         Some("key-mismatch"),
         "another body on the default route",
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_token_per_route() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+require_token = true
+"#;
+    let gw = Gw::start("require-token", &up, "", routes).await;
+    let c = client();
+    let alice = [("authorization", "Bearer alice")];
+    let nokey = send(&c, &gw, "POST", "/payments", &alice, "{}").await;
+    assert_problem(
+        &nokey,
+        428,
+        Some("token-required"),
+        "no token on the token route",
+    );
+    let made_up = send(
+        &c,
+        &gw,
+        "POST",
+        "/payments",
+        &[
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", "made-up"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_problem(
+        &made_up,
+        403,
+        Some("token-unknown"),
+        "a key that is no token",
+    );
+    assert_eq!(up.total(), 0);
+
+    // The route turns the token endpoint on.
+    let issued = c
+        .post(gw.url("/_idem/tokens"))
+        .header("authorization", "Bearer alice")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(issued.status(), 201, "POST /_idem/tokens:\n{}", gw.logs());
+    let v: serde_json::Value = issued.json().await.unwrap();
+    let token = v["token"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"))
+        .to_owned();
+    let with = [
+        ("authorization", "Bearer alice"),
+        ("idempotency-key", token.as_str()),
+    ];
+    let first = send(&c, &gw, "POST", "/payments", &with, "{}").await;
+    assert_executed(&first, 201, "a live token");
+    let again = send(&c, &gw, "POST", "/payments", &with, "{}").await;
+    assert_replay_of(&again, &first, "the token's retry");
+
+    // Elsewhere any key will do.
+    let other = send(
+        &c,
+        &gw,
+        "POST",
+        "/orders",
+        &[
+            ("authorization", "Bearer alice"),
+            ("idempotency-key", "made-up"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_executed(&other, 201, "a plain key on the default route");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_may_guard_a_method_the_top_level_does_not() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "uploads"
+methods = ["PUT"]
+path = "/uploads"
+"#;
+    let gw = Gw::start("put-route", &up, "", routes).await;
+    let c = client();
+    let key = [("idempotency-key", "k-put")];
+    let first = send(&c, &gw, "PUT", "/uploads/a", &key, r#"{"v":1}"#).await;
+    assert_executed(&first, 201, "PUT under uploads");
+    let again = send(&c, &gw, "PUT", "/uploads/a", &key, r#"{"v":1}"#).await;
+    assert_replay_of(&again, &first, "uploads guards PUT");
+    assert_eq!(up.on("/uploads"), 1);
+    // PUT elsewhere is not guarded (top-level methods: POST, PATCH).
+    for _ in 0..2 {
+        let got = send(
+            &c,
+            &gw,
+            "PUT",
+            "/files/a",
+            &[("idempotency-key", "k-put2")],
+            "{}",
+        )
+        .await;
+        assert_executed(&got, 201, "PUT under the default route");
+    }
+    assert_eq!(up.on("/files"), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
