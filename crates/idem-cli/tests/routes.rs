@@ -492,6 +492,42 @@ async fn webhook_excluded_field_may_differ() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_ids_may_be_integers_and_nothing_else() {
+    let up = Echo::start().await;
+    let gw = Gw::start("webhook-ids", &up, "", WEBHOOKS).await;
+    let c = client();
+    let first = post(
+        &c,
+        &gw,
+        "/webhooks/psp",
+        None,
+        r#"{"event_id":12345,"n":1}"#,
+    )
+    .await;
+    assert_executed(&first, 201, "an integer event_id");
+    let again = post(
+        &c,
+        &gw,
+        "/webhooks/psp",
+        None,
+        r#"{"n":1,"event_id":12345}"#,
+    )
+    .await;
+    assert_replay_of(&again, &first, "the same integer event_id");
+    assert_eq!(up.total(), 1);
+    for bad in [
+        r#"{"event_id":1.5}"#,
+        r#"{"event_id":{"id":"evt_1"}}"#,
+        r#"{"event_id":true}"#,
+        r#"{"event_id":""}"#,
+    ] {
+        let got = post(&c, &gw, "/webhooks/psp", None, bad).await;
+        assert_problem(&got, 400, Some("invalid-key"), bad);
+    }
+    assert_eq!(up.total(), 1, "no bad key reaches the upstream");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_same_event_with_another_amount_is_422() {
     let up = Echo::start().await;
     let gw = Gw::start("webhook-mismatch", &up, "", WEBHOOKS).await;
@@ -895,6 +931,11 @@ async fn ttl_per_route_is_the_stored_expiry() {
 name = "short"
 path = "/short"
 ttl = "2h"
+
+[[routes]]
+name = "inherits"
+path = "/inherits"
+require_key = false
 "#;
     let gw = Gw::start_in(dir, "ttl", &up, Some(&store), r#"ttl = "48h""#, routes).await;
     let c = client();
@@ -908,6 +949,11 @@ ttl = "2h"
         &post(&c, &gw, "/long", Some("k-long"), "{}").await,
         201,
         "default",
+    );
+    assert_executed(
+        &post(&c, &gw, "/inherits", Some("k-inh"), "{}").await,
+        201,
+        "a route without ttl",
     );
     let after = now_ms();
     let expires = |key: &str| {
@@ -929,6 +975,12 @@ ttl = "2h"
         long >= before + 48 * hour - 1000 && long <= after + 48 * hour + 1000,
         "the default route's ttl is the top-level 48h: expires {} ms from now",
         long.saturating_sub(after)
+    );
+    let inherited = expires("k-inh");
+    assert!(
+        inherited >= before + 48 * hour - 1000 && inherited <= after + 48 * hour + 1000,
+        "a route without ttl inherits the top-level 48h: expires {} ms from now",
+        inherited.saturating_sub(after)
     );
 }
 
@@ -1607,6 +1659,31 @@ fn config_check_refuses_a_bad_file() {
             "payments",
         ),
         (
+            "safe-method",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"reads\"\nmethods = [\"GET\"]\npath = \"/reads\"\n",
+            "GET",
+        ),
+        (
+            "both-key-sources",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"w\"\npath = \"/w\"\nkey_header = \"X-Id\"\nkey_json_pointer = \"/id\"\n",
+            "key_json_pointer",
+        ),
+        (
+            "bad-pointer",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"w\"\npath = \"/w\"\nkey_json_pointer = \"event_id\"\n",
+            "event_id",
+        ),
+        (
+            "duplicate-name",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"a\"\npath = \"/a\"\n\n[[routes]]\nname = \"a\"\npath = \"/b\"\n",
+            "\"a\"",
+        ),
+        (
+            "short-lease",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nlease = \"2s\"\n",
+            "lease",
+        ),
+        (
             "bad-status",
             "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nstatuses = { \"5x\" = \"hold\" }\n",
             "5x",
@@ -1863,4 +1940,152 @@ async fn reload_under_load_drops_no_request_and_keeps_the_rules_on_a_bad_file() 
             .collect::<Vec<_>>()
             .join("\n")
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_keeps_its_rules_across_a_reload() {
+    let up = Echo::start().await;
+    let policy = |p: &str| {
+        format!(
+            "\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nstatus_policy = \"{p}\"\n"
+        )
+    };
+    let gw = Gw::start("reload-in-flight", &up, "", &policy("store-5xx")).await;
+    let c = client();
+    let slow_500 = [
+        ("idempotency-key", "k-fly"),
+        ("x-status", "500"),
+        ("x-sleep-ms", "1500"),
+    ];
+    let original = {
+        let (c, url) = (c.clone(), gw.url("/payments"));
+        tokio::spawn(async move {
+            let mut r = c.post(url).body("{}");
+            for (n, v) in slow_500 {
+                r = r.header(n, v);
+            }
+            r.header("content-type", "application/json")
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while up.total() == 0 {
+        assert!(Instant::now() < deadline, "not called:\n{}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The new rules release 500s; the request in flight started under
+    // store-5xx and keeps it.
+    let text = std::fs::read_to_string(&gw.config).unwrap();
+    std::fs::write(&gw.config, text.replace("store-5xx", "default")).unwrap();
+    gw.proc.signal("-HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while log_count(&gw, "configuration reloaded") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no `configuration reloaded` line within 10 s:\n{}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(original.await.unwrap(), 500);
+    let retry = send(&c, &gw, "POST", "/payments", &slow_500, "{}").await;
+    assert!(
+        retry.replayed && retry.status == 500,
+        "stored under the rules it started with (store-5xx): {retry:?}\n{}",
+        gw.logs()
+    );
+    assert_eq!(up.total(), 1);
+    // A request started after the reload gets the new rules.
+    let fresh = [("idempotency-key", "k-new"), ("x-status", "500")];
+    assert_executed(
+        &send(&c, &gw, "POST", "/payments", &fresh, "{}").await,
+        500,
+        "new",
+    );
+    assert_executed(
+        &send(&c, &gw, "POST", "/payments", &fresh, "{}").await,
+        500,
+        "default policy after the reload: released, runs again",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_file_is_applied_without_a_signal() {
+    let up = Echo::start().await;
+    let gw = Gw::start("reload-watch", &up, "", &payments_route(false)).await;
+    let c = client();
+    assert_executed(&post(&c, &gw, "/payments", None, "{}").await, 201, "before");
+    let text = std::fs::read_to_string(&gw.config).unwrap();
+    std::fs::write(
+        &gw.config,
+        text.replace("require_key = false", "require_key = true"),
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = post(&c, &gw, "/payments", None, "{}").await;
+        if got.status == 400 {
+            assert_problem(&got, 400, Some("key-required"), "after the file changed");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the changed file was not applied within 10 s: {got:?}\n{}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn variables_and_flags_override_the_file_and_routes_inherit_them() {
+    let up = Echo::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idem.toml");
+    std::fs::write(
+        &config,
+        "upstream = \"http://127.0.0.1:9\"\nstore = \"memory://\"\nrequire_key = false\n\
+         \n[[routes]]\nname = \"carts\"\npath = \"/carts\"\n\
+         \n[[routes]]\nname = \"open\"\npath = \"/open\"\nrequire_key = false\n",
+    )
+    .unwrap();
+    let path = config.display().to_string();
+    // The flag gives the upstream (the file's answers nothing), the
+    // variable turns require_key on.
+    let proc = GatewayProc::start_with(
+        dir.path(),
+        "override",
+        &["--config", &path, "--upstream", &up.url],
+        |cmd| {
+            cmd.env("IDEM_REQUIRE_KEY", "true");
+        },
+    )
+    .await;
+    let gw = Gw {
+        proc,
+        _dir: dir,
+        config,
+    };
+    let c = client();
+    let top = post(&c, &gw, "/orders", None, "{}").await;
+    assert_problem(
+        &top,
+        400,
+        Some("key-required"),
+        "IDEM_REQUIRE_KEY over the file",
+    );
+    let carts = post(&c, &gw, "/carts", None, "{}").await;
+    assert_problem(
+        &carts,
+        400,
+        Some("key-required"),
+        "a route without require_key inherits the overridden top level",
+    );
+    let open = post(&c, &gw, "/open", None, "{}").await;
+    assert_executed(&open, 201, "a route's own require_key = false stays");
+    assert_eq!(up.total(), 1, "the --upstream flag won over the file's");
 }
