@@ -1881,6 +1881,16 @@ async fn reload_under_load_drops_no_request_and_keeps_the_rules_on_a_bad_file() 
         "the gateway survives the reloads:\n{}",
         gw.logs()
     );
+    let (applied, refused) = (
+        log_count(&gw, "configuration reloaded"),
+        log_count(&gw, "configuration reload failed"),
+    );
+    eprintln!("during the loop: {ok} requests, {applied} reloads applied, {refused} refused");
+    assert!(
+        applied >= 1 && refused >= 1,
+        "the loop saw good and bad reloads ({applied} applied, {refused} refused):\n{}",
+        gw.logs()
+    );
 
     // A good file is applied: keyless payments are refused now.
     write(&payments_route(true));
