@@ -447,6 +447,23 @@ async fn webhook_redelivery_with_another_attempt_header_is_a_replay() {
         "the gateway adds no Idempotency-Key"
     );
 
+    // Another sender (another Authorization, so another scope) with the
+    // same event id is another record.
+    let other_sender = send(
+        &c,
+        &gw,
+        "POST",
+        "/webhooks/psp",
+        &[
+            ("x-delivery-attempt", "1"),
+            ("authorization", "Bearer other-psp"),
+        ],
+        &body,
+    )
+    .await;
+    assert_executed(&other_sender, 201, "evt_1 from another scope");
+    assert_eq!(up.total(), 2);
+
     // Another event is another key.
     let other = send(
         &c,
@@ -458,7 +475,7 @@ async fn webhook_redelivery_with_another_attempt_header_is_a_replay() {
     )
     .await;
     assert_executed(&other, 201, "evt_2");
-    assert_eq!(up.total(), 2);
+    assert_eq!(up.total(), 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1538,8 +1555,13 @@ async fn the_route_name_is_in_logs_and_metrics() {
 [[routes]]
 name = "payments"
 path = "/payments"
+
+[[routes]]
+name = "carts"
+path = "/carts"
+guard = false
 "#;
-    let gw = Gw::start("names", &up, "", routes).await;
+    let gw = Gw::start("names", &up, "access_log = true", routes).await;
     let c = client();
     let first = post(&c, &gw, "/payments", Some("k-log-1"), "{}").await;
     assert_executed(&first, 201, "payments");
@@ -1549,6 +1571,12 @@ path = "/payments"
         &post(&c, &gw, "/orders", Some("k-log-2"), "{}").await,
         201,
         "default",
+    );
+
+    assert_executed(
+        &post(&c, &gw, "/carts/zz-cart-line", None, "{}").await,
+        201,
+        "carts",
     );
 
     // The per-request log lines (written after the answer: poll briefly).
@@ -1567,13 +1595,18 @@ path = "/payments"
             .iter()
             .filter(|l| l.contains("k-log-2") && names_route(l, "default"))
             .count();
-        if pay >= 2 && default >= 1 {
+        let carts = log
+            .lines()
+            .filter(|l| l.contains("zz-cart-line") && names_route(l, "carts"))
+            .count();
+        if pay >= 2 && default >= 1 && carts >= 1 {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "two request lines with route=\"payments\" and one with route=\"default\" \
-             expected; the lines of these keys:\n{}\n{}",
+            "two request lines with route=\"payments\", one with route=\"default\" and \
+             (access_log = true) one with route=\"carts\" for the passed-through cart \
+             expected ({pay}, {default}, {carts}); the lines of these keys:\n{}\n{}",
             lines.join("\n"),
             gw.logs()
         );
