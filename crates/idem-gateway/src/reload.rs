@@ -99,6 +99,14 @@ impl Trigger {
 /// Registers the reload metrics at their start values (0 reloads, last
 /// success 1).
 pub(crate) fn register_metrics() {
+    metrics::describe_counter!(
+        RELOADS,
+        "Reloads of the configuration file (SIGHUP or a change), by result: ok (applied) or error (refused, the running configuration stays)."
+    );
+    metrics::describe_gauge!(
+        LAST_RELOAD_SUCCESS,
+        "1 when the last reload of the configuration file (or the start) applied it, 0 when the last reload was refused."
+    );
     for result in ["ok", "error"] {
         metrics::counter!(RELOADS, "result" => result).increment(0);
     }
