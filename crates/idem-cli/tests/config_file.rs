@@ -618,3 +618,21 @@ async fn a_changed_route_rule_takes_effect_after_reload() {
     );
     assert_eq!(reload_metrics(&c, &gw).await, (2, 0, Some(1)));
 }
+
+/// The complete example of docs/CONFIG.md is a valid file.
+#[test]
+fn the_documented_example_is_valid() {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/CONFIG.md"))
+            .unwrap();
+    let start = doc.find("```toml\n#:schema").expect("the example") + "```toml\n".len();
+    let example = &doc[start..start + doc[start..].find("```").unwrap()];
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("idem.toml");
+    write(&f, example);
+    let (code, out, err) = check(&f, &[], &[]);
+    assert_eq!(code, 0, "{err}");
+    for route in ["# payments, line", "# carts, line", "# webhooks, line"] {
+        assert!(out.contains(route), "{out}");
+    }
+}

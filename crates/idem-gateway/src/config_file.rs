@@ -470,7 +470,10 @@ pub fn load_str(matches: &ArgMatches, path: &Path, text: &str) -> Result<Loaded,
         .map_err(|e| LoadError::Args(clap_message(&e)))?;
     let args = GatewayArgs::from_arg_matches(&final_matches)
         .map_err(|e| LoadError::Args(clap_message(&e)))?;
-    let mut config = args.clone().into_config()?;
+    let mut config = args
+        .clone()
+        .into_config()
+        .map_err(|e| at_key_line(path, e, &sources, &keys))?;
     let mut settings = Vec::new();
     for fk in &keys {
         let value = match fk.kind {
@@ -555,6 +558,33 @@ pub fn load_str(matches: &ArgMatches, path: &Path, text: &str) -> Result<Loaded,
         config,
         report,
     })
+}
+
+/// A refused combination, at the line of the first flag its message names
+/// when that flag's value came from the file (`idem.toml:3:1: `lease`:
+/// --lease (500ms) must be at least 1s …`); else as it is.
+fn at_key_line(
+    path: &Path,
+    e: ConfigError,
+    sources: &BTreeMap<String, Source>,
+    keys: &[FileKey],
+) -> LoadError {
+    let text = error_chain(&e);
+    let named = text
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter_map(|w| w.strip_prefix("--"))
+        .find_map(|long| keys.iter().find(|k| k.long == long));
+    if let Some(fk) = named {
+        if let Some(Source::File(line)) = sources.get(&fk.key) {
+            return LoadError::At {
+                path: path.to_owned(),
+                line: *line,
+                column: 1,
+                message: format!("`{}`: {text}", fk.key),
+            };
+        }
+    }
+    LoadError::Config(e)
 }
 
 /// The start of the `[[routes]]` line a table's span begins in (the span
@@ -1295,6 +1325,26 @@ mod tests {
             load_text(&["--store", "memory://"], "ttl = \"1h\"\n"),
             Err(LoadError::Config(ConfigError::NoUpstream))
         ));
+        // A combination refused after layering names the file's line.
+        match load_text(
+            &["--store", "memory://"],
+            "upstream = \"http://x:1\"\n\nlease = \"500ms\"\n",
+        ) {
+            Err(LoadError::At {
+                line: 3, message, ..
+            }) => {
+                assert!(message.starts_with("`lease`: --lease (500ms)"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // From a flag: no line.
+        assert!(matches!(
+            load_text(
+                &["--store", "memory://", "--lease", "500ms"],
+                "upstream = \"http://x:1\"\n"
+            ),
+            Err(LoadError::Config(ConfigError::LeaseTooShort { .. }))
+        ));
     }
 
     #[test]
@@ -1362,6 +1412,19 @@ require_token = true
         let shown = l.report.to_string();
         assert!(shown.contains("route:12"), "{shown}");
         assert!(shown.contains("inherited"), "{shown}");
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn the_store_password_is_not_shown() {
+        let l = load_text(
+            &["--store", "postgres://idem:s3cret@db/app"],
+            "upstream = \"http://x:1\"\n",
+        )
+        .unwrap();
+        assert_eq!(l.report.value("store"), Some("postgres://idem:***@db/app"));
+        assert!(!l.report.to_string().contains("s3cret"));
+        assert!(!format!("{:?}", l.config).contains("s3cret"));
     }
 
     #[test]

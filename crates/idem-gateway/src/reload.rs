@@ -51,8 +51,9 @@ pub const RELOADABLE: &[&str] = &[
 ];
 
 /// Where the running configuration came from: the file, the command line
-/// it was layered under, and what it gave at start.
-#[derive(Debug, Clone)]
+/// it was layered under, and what it gave at start. Its `Debug` shows the
+/// path only (the command line may hold a store password).
+#[derive(Clone)]
 pub struct ConfigSource {
     /// The configuration file.
     pub path: PathBuf,
@@ -60,6 +61,14 @@ pub struct ConfigSource {
     pub matches: ArgMatches,
     /// The effective settings at start.
     pub report: Report,
+}
+
+impl std::fmt::Debug for ConfigSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConfigSource")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What the file looked like when last read.
@@ -99,6 +108,14 @@ impl Trigger {
 /// Registers the reload metrics at their start values (0 reloads, last
 /// success 1).
 pub(crate) fn register_metrics() {
+    metrics::describe_counter!(
+        RELOADS,
+        "Reloads of the configuration file (SIGHUP or a change), by result: ok (applied) or error (refused, the running configuration stays)."
+    );
+    metrics::describe_gauge!(
+        LAST_RELOAD_SUCCESS,
+        "1 when the last reload of the configuration file (or the start) applied it, 0 when the last reload was refused."
+    );
     for result in ["ok", "error"] {
         metrics::counter!(RELOADS, "result" => result).increment(0);
     }
