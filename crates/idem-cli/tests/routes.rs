@@ -1560,6 +1560,11 @@ path = "/payments"
 name = "carts"
 path = "/carts"
 guard = false
+
+[[routes]]
+name = "strict"
+path = "/strict"
+require_key = true
 "#;
     let gw = Gw::start("names", &up, "access_log = true", routes).await;
     let c = client();
@@ -1577,6 +1582,16 @@ guard = false
         &post(&c, &gw, "/carts/zz-cart-line", None, "{}").await,
         201,
         "carts",
+    );
+
+    let refused = post(&c, &gw, "/strict", None, "{}").await;
+    assert_problem(&refused, 400, Some("key-required"), "strict");
+    let mismatch = post(&c, &gw, "/payments", Some("k-log-1"), r#"{"other":1}"#).await;
+    assert_problem(
+        &mismatch,
+        422,
+        Some("key-mismatch"),
+        "payments, another body",
     );
 
     // The per-request log lines (written after the answer: poll briefly).
@@ -1647,6 +1662,19 @@ guard = false
     );
     assert_eq!(value("replayed", "payments"), 1.0, "{}", series.join("\n"));
     assert_eq!(value("executed", "default"), 1.0, "{}", series.join("\n"));
+    assert_eq!(value("mismatch", "payments"), 1.0, "{}", series.join("\n"));
+    assert_eq!(
+        value("rejected", "strict"),
+        1.0,
+        "a refusal counts under its route:\n{}",
+        series.join("\n")
+    );
+    assert_eq!(
+        value("passthrough", "carts"),
+        1.0,
+        "a passed-through route's request counts under its name:\n{}",
+        series.join("\n")
+    );
 }
 
 // ------------------------------------------------------------ the example
