@@ -2160,3 +2160,96 @@ async fn variables_and_flags_override_the_file_and_routes_inherit_them() {
     assert_executed(&open, 201, "a route's own require_key = false stays");
     assert_eq!(up.total(), 1, "the --upstream flag won over the file's");
 }
+
+// ------------------------------------------------------- chunked bodies
+
+/// A raw HTTP/1.1 POST with a chunked body (no Content-Length), one chunk
+/// per item of `chunks`; returns the status and the whole answer as text.
+async fn chunked_post(
+    gw: &Gw,
+    path: &str,
+    headers: &[(&str, &str)],
+    chunks: &[&str],
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(gw.proc.addr).await.unwrap();
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n",
+        gw.proc.addr
+    );
+    for (n, v) in headers {
+        req.push_str(&format!("{n}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    for c in chunks {
+        req.push_str(&format!("{:x}\r\n{c}\r\n", c.len()));
+    }
+    req.push_str("0\r\n\r\n");
+    // The gateway may answer (413) before it has read everything.
+    let _ = s.write_all(req.as_bytes()).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {text:?}\n{}", gw.logs()));
+    (status, text)
+}
+
+fn replayed_raw(answer: &str) -> bool {
+    answer
+        .to_ascii_lowercase()
+        .contains("\r\nidempotent-replayed: true\r\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_bodies_meet_the_route_max_body_and_carry_body_keys() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "small"
+path = "/small"
+max_body = "1KiB"
+
+[[routes]]
+name = "webhooks"
+path = "/webhooks"
+key_json_pointer = "/event_id"
+require_key = true
+max_body = "1KiB"
+"#;
+    let gw = Gw::start("chunked", &up, "", routes).await;
+    let big = "y".repeat(1000);
+    let chunks = ["{\"blob\":\"", &big, &big, &big, "\"}"];
+    let (status, answer) =
+        chunked_post(&gw, "/small", &[("Idempotency-Key", "k-ch")], &chunks).await;
+    assert_eq!(status, 413, "3 kB chunked on a 1 KiB route:\n{answer}");
+    let (status, answer) = chunked_post(&gw, "/webhooks/psp", &[], &chunks).await;
+    assert_eq!(
+        status, 413,
+        "3 kB chunked on a 1 KiB body-key route:\n{answer}"
+    );
+    let (status, answer) =
+        chunked_post(&gw, "/elsewhere", &[("Idempotency-Key", "k-ch")], &chunks).await;
+    assert_eq!(
+        status, 201,
+        "3 kB chunked under the default max_body:\n{answer}"
+    );
+    assert_eq!(up.total(), 1);
+
+    // A key in a chunked JSON body, split across chunks.
+    let event = ["{\"event_id\":\"ev", "t_ch\",\"amount\":", "5}"];
+    let (status, first) = chunked_post(&gw, "/webhooks/psp", &[], &event).await;
+    assert_eq!(status, 201, "{first}");
+    assert!(!replayed_raw(&first), "{first}");
+    let (status, again) = chunked_post(&gw, "/webhooks/psp", &[], &event).await;
+    assert_eq!(status, 201, "{again}");
+    assert!(
+        replayed_raw(&again),
+        "the same event, chunked: a replay:\n{again}"
+    );
+    assert_eq!(up.total(), 2);
+}
