@@ -2253,3 +2253,49 @@ max_body = "1KiB"
     );
     assert_eq!(up.total(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_deliveries_of_one_event_run_once() {
+    let up = Echo::start().await;
+    let routes = format!("{WEBHOOKS}wait = \"10s\"\n");
+    let gw = Gw::start("webhook-concurrent", &up, "", &routes).await;
+    let c = client();
+    let body = event("evt_c", 7, "2026-12-02T06:00:00Z");
+    let mut tasks = Vec::new();
+    for attempt in 0..10 {
+        let (c, url, body) = (c.clone(), gw.url("/webhooks/psp"), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = c
+                .post(url)
+                .header("content-type", "application/json")
+                .header("x-delivery-attempt", attempt.to_string())
+                .header("x-sleep-ms", "300")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let replayed = r.headers().contains_key("idempotent-replayed");
+            (r.status().as_u16(), replayed, r.text().await.unwrap())
+        }));
+    }
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    assert_eq!(
+        up.total(),
+        1,
+        "ten concurrent deliveries, one execution: {answers:?}"
+    );
+    assert!(
+        answers
+            .iter()
+            .all(|(s, _, b)| *s == 201 && *b == answers[0].2),
+        "each waits (wait = 10s) and gets the one answer: {answers:?}"
+    );
+    assert_eq!(
+        answers.iter().filter(|(_, r, _)| !r).count(),
+        1,
+        "one original, nine replays: {answers:?}"
+    );
+}
