@@ -2299,3 +2299,33 @@ async fn concurrent_deliveries_of_one_event_run_once() {
         "one original, nine replays: {answers:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_may_reorder_the_routes() {
+    let up = Echo::start().await;
+    let narrow = "\n[[routes]]\nname = \"refunds\"\npath = \"/payments/refunds\"\nguard = false\n";
+    let broad = "\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nrequire_key = true\n";
+    let gw = Gw::start("reorder", &up, "", &format!("{narrow}{broad}")).await;
+    let c = client();
+    let before = post(&c, &gw, "/payments/refunds", None, "{}").await;
+    assert_executed(&before, 201, "refunds listed first wins");
+
+    let text = std::fs::read_to_string(&gw.config).unwrap();
+    let head = text.split("[[routes]]").next().unwrap();
+    std::fs::write(&gw.config, format!("{head}{broad}{narrow}")).unwrap();
+    gw.proc.signal("-HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = post(&c, &gw, "/payments/refunds", None, "{}").await;
+        if got.status == 400 {
+            assert_problem(&got, 400, Some("key-required"), "payments listed first now");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new order was not applied within 10 s: {got:?}\n{}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
