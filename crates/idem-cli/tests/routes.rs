@@ -2329,3 +2329,69 @@ async fn a_reload_may_reorder_the_routes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_variables_over_the_file_and_routes_inherit_the_new_top_level() {
+    let up = Echo::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = sqlite_store(dir.path());
+    let config = dir.path().join("idem.toml");
+    let file = |ttl: &str| {
+        format!(
+            "upstream = {:?}\nstore = {store:?}\nrequire_key = false\nttl = \"{ttl}\"\n\
+             \n[[routes]]\nname = \"r\"\npath = \"/r\"\nmethods = [\"POST\"]\n",
+            up.url
+        )
+    };
+    std::fs::write(&config, file("2h")).unwrap();
+    let path = config.display().to_string();
+    let proc = GatewayProc::start_with(dir.path(), "reload-env", &["--config", &path], |cmd| {
+        cmd.env("IDEM_REQUIRE_KEY", "true");
+    })
+    .await;
+    let gw = Gw {
+        proc,
+        _dir: dir,
+        config,
+    };
+    let c = client();
+    let hour = 3_600_000u64;
+    let expiry_in = |key: &str| {
+        record(&store, key)["expires_at_ms"]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(now_ms())
+    };
+    assert_executed(
+        &post(&c, &gw, "/r", Some("k-2h"), "{}").await,
+        201,
+        "before",
+    );
+    let left = expiry_in("k-2h");
+    assert!(
+        (2 * hour - 60_000..=2 * hour).contains(&left),
+        "the route inherits ttl 2h: {left} ms"
+    );
+
+    std::fs::write(&gw.config, file("5h")).unwrap();
+    gw.proc.signal("-HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while log_count(&gw, "configuration reloaded") == 0 {
+        assert!(Instant::now() < deadline, "not reloaded:\n{}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_executed(&post(&c, &gw, "/r", Some("k-5h"), "{}").await, 201, "after");
+    let left = expiry_in("k-5h");
+    assert!(
+        (5 * hour - 60_000..=5 * hour).contains(&left),
+        "after the reload the route inherits the new top-level ttl 5h: {left} ms\n{}",
+        gw.logs()
+    );
+    let keyless = post(&c, &gw, "/r", None, "{}").await;
+    assert_problem(
+        &keyless,
+        400,
+        Some("key-required"),
+        "IDEM_REQUIRE_KEY=true still overrides the reloaded file",
+    );
+}
