@@ -118,13 +118,16 @@ enum Command {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum ConfigCommand {
-    /// Validate a configuration file and print the effective configuration:
-    /// every setting with its value and where it came from (`default`,
-    /// `file:LINE`, `env IDEM_X`, `flag`), then the routes in match order
-    /// (`route:LINE` or `inherited`). Gateway flags and IDEM_* variables
-    /// given here override the file as they would for `idem gateway`.
-    /// Exit status 0 for a good file, 2 for a bad one.
+    /// Validate a configuration file and print the effective configuration.
     #[command(
+        long_about = "Validate a configuration file and print the effective configuration: \
+                      every setting with its value and where it came from (`default`, \
+                      `file:LINE`, `env IDEM_X`, `flag`), then the routes in match order \
+                      (`route:LINE` or `inherited`) and the implicit route `default`. Gateway \
+                      flags and IDEM_* variables given here override the file as they would \
+                      for `idem gateway --config FILE`. Exit status 0 for a good file, 2 for a \
+                      bad one (the error names the line).",
+        mut_arg("config", |a| a.hide(true)),
         after_help = "Example:\n  idem config check idem.toml\n  idem config check idem.toml --ttl 1h"
     )]
     Check {

@@ -652,7 +652,10 @@ fn scalar(v: &DeValue<'_>) -> Result<String, String> {
     match v {
         DeValue::String(s) => Ok(s.to_string()),
         DeValue::Integer(i) if i.radix() == 10 => Ok(i.as_str().replace('_', "")),
-        other => Err(format!("expected a string, found {}", other.type_str())),
+        other => Err(format!(
+            "expected a string (or an integer), found {}",
+            other.type_str()
+        )),
     }
 }
 
@@ -1225,7 +1228,7 @@ pub fn schema() -> serde_json::Value {
     );
     json!({
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": "https://github.com/idem/idem/docs/config.schema.json",
+        "$id": "urn:idem:gateway-config",
         "title": "idem gateway configuration file",
         "description": "The file of `idem gateway --config FILE` (TOML 1.0). Top-level keys are the gateway flags with '-' written '_'; flags and IDEM_* variables override the file. See docs/CONFIG.md.",
         "type": "object",
