@@ -1021,7 +1021,7 @@ lease = "8s"
             c.post(url)
                 .header("idempotency-key", key)
                 .header("content-type", "application/json")
-                .header("x-sleep-ms", "2500")
+                .header("x-sleep-ms", "4000")
                 .body("{}")
                 .send()
                 .await
@@ -1081,7 +1081,7 @@ wait = "10s"
                 c.post(url)
                     .header("idempotency-key", key)
                     .header("content-type", "application/json")
-                    .header("x-sleep-ms", "1200")
+                    .header("x-sleep-ms", "2000")
                     .body("{}")
                     .send()
                     .await
@@ -1104,7 +1104,7 @@ wait = "10s"
             &gw,
             "POST",
             path,
-            &[("idempotency-key", key), ("x-sleep-ms", "1200")],
+            &[("idempotency-key", key), ("x-sleep-ms", "2000")],
             "{}",
         )
         .await;
@@ -2026,7 +2026,7 @@ async fn a_request_in_flight_keeps_its_rules_across_a_reload() {
     let slow_500 = [
         ("idempotency-key", "k-fly"),
         ("x-status", "500"),
-        ("x-sleep-ms", "1500"),
+        ("x-sleep-ms", "3000"),
     ];
     let original = {
         let (c, url) = (c.clone(), gw.url("/payments"));
@@ -2062,6 +2062,10 @@ async fn a_request_in_flight_keeps_its_rules_across_a_reload() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert!(
+        !original.is_finished(),
+        "the reload was applied while the request was in flight (3 s upstream)"
+    );
     assert_eq!(original.await.unwrap(), 500);
     let retry = send(&c, &gw, "POST", "/payments", &slow_500, "{}").await;
     assert!(
