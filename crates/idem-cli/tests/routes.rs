@@ -19,11 +19,15 @@
 //! `guard`, `ttl`, `lease`, `wait`, `status_policy`, `statuses`,
 //! `max_body`, `retention_limit`, `scope_headers`,
 //! `fingerprint_ignore_query`, `fingerprint_headers`,
-//! `fingerprint_include`, `key_header`; the route name in logs and metrics;
-//! `idem config check` on bad files; reload on SIGHUP under load (20
-//! rewrites, invalid ones among them, no failed request); the example file
-//! `examples/config/idem.toml` under `idem config check` and as a running
-//! gateway.
+//! `fingerprint_include`, `fingerprint_exclude`, `fingerprint_path`,
+//! `fingerprint_method`, `fingerprint_body`, `key_header`; chunked bodies;
+//! the route name in logs and metrics (every outcome); flags and `IDEM_*`
+//! variables over the file, inherited by routes; `idem config check` on bad
+//! files; reload on SIGHUP and on file change, under load (20 rewrites,
+//! invalid ones among them, no failed request), with the running rules kept
+//! on a bad file, a request in flight keeping its rules, routes reordered;
+//! the example file `examples/config/idem.toml` under `idem config check`
+//! and as a running gateway.
 
 mod support;
 
@@ -2398,4 +2402,60 @@ async fn a_reload_keeps_the_variables_over_the_file_and_routes_inherit_the_new_t
         Some("key-required"),
         "IDEM_REQUIRE_KEY=true still overrides the reloaded file",
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fingerprint_parts_may_be_left_out() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "items"
+path = "/items"
+fingerprint_path = false
+fingerprint_method = false
+
+[[routes]]
+name = "things"
+path = "/things"
+fingerprint_path = false
+
+[[routes]]
+name = "notes"
+path = "/notes"
+fingerprint_body = false
+"#;
+    let gw = Gw::start("fingerprint-off", &up, "", routes).await;
+    let c = client();
+    let key = |k: &'static str| [("idempotency-key", k)];
+
+    // Path and method left out on items: another item, PATCH, same key.
+    let first = send(&c, &gw, "POST", "/items/1", &key("k-i"), "{}").await;
+    assert_executed(&first, 201, "items/1");
+    let other_path = send(&c, &gw, "POST", "/items/2", &key("k-i"), "{}").await;
+    assert_replay_of(&other_path, &first, "fingerprint_path = false");
+    let patch = send(&c, &gw, "PATCH", "/items/1", &key("k-i"), "{}").await;
+    assert_replay_of(&patch, &first, "fingerprint_method = false");
+    let body = send(&c, &gw, "POST", "/items/1", &key("k-i"), r#"{"a":1}"#).await;
+    assert_problem(
+        &body,
+        422,
+        Some("key-mismatch"),
+        "the body still counts on items",
+    );
+    // Without the path the route's name counts: the same key and body on
+    // another such route is another request.
+    let things = send(&c, &gw, "POST", "/things/1", &key("k-i"), "{}").await;
+    assert_problem(
+        &things,
+        422,
+        Some("key-mismatch"),
+        "one key on two path-less routes",
+    );
+
+    // Body left out on notes.
+    let first = post(&c, &gw, "/notes", Some("k-n"), r#"{"text":"a"}"#).await;
+    assert_executed(&first, 201, "note");
+    let edited = post(&c, &gw, "/notes", Some("k-n"), r#"{"text":"b"}"#).await;
+    assert_replay_of(&edited, &first, "fingerprint_body = false");
+    assert_eq!(up.total(), 2);
 }
