@@ -6,6 +6,9 @@
 //! - `idem demo` starts a sample payment service with a gateway in front of
 //!   it, fires concurrent duplicate requests through the gateway and shows
 //!   that the service ran the charge once.
+//! - `idem config check FILE` validates a configuration file and prints the
+//!   effective configuration with the source of every value; `idem config
+//!   schema` prints the file's JSON Schema (docs/CONFIG.md).
 //! - `idem keys` lists, shows, deletes and purges records in a store (a key
 //!   stuck in flight after a crash, freed so that a retry runs now).
 
@@ -14,11 +17,11 @@ mod demo;
 mod keys;
 
 use std::error::Error;
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
-use idem_gateway::{Gateway, GatewayArgs};
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use idem_gateway::{Gateway, GatewayArgs, GatewayConfig};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
@@ -79,11 +82,16 @@ enum Command {
                       every retry with the same key and the same request; a retry while the \
                       first is still running gets 409 with Retry-After; the same key with a \
                       different request gets 422. Every flag can also be set by the IDEM_* \
-                      environment variable shown next to it.",
+                      environment variable shown next to it, and in the --config file by its \
+                      long name with '-' written '_' (flag > variable > file > default).",
         after_help = "Example:\n  idem gateway --listen 127.0.0.1:8080 --upstream http://127.0.0.1:3000 \
                       --store sqlite://idem.db"
     )]
     Gateway(GatewayArgs),
+
+    /// Check a configuration file, or print its JSON Schema.
+    #[command(subcommand)]
+    Config(ConfigCommand),
 
     /// Find and free keys: list, show, delete or purge records in a store.
     #[command(long_about = keys::LONG_ABOUT)]
@@ -105,6 +113,35 @@ enum Command {
     },
 }
 
+/// `idem config …`.
+// Parsed once; the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Validate a configuration file and print the effective configuration.
+    #[command(
+        long_about = "Validate a configuration file and print the effective configuration: \
+                      every setting with its value and where it came from (`default`, \
+                      `file:LINE`, `env IDEM_X`, `flag`), then the routes in match order \
+                      (`route:LINE` or `inherited`) and the implicit route `default`. Gateway \
+                      flags and IDEM_* variables given here override the file as they would \
+                      for `idem gateway --config FILE`. Exit status 0 for a good file, 2 for a \
+                      bad one (the error names the line).",
+        mut_arg("config", |a| a.hide(true)),
+        after_help = "Example:\n  idem config check idem.toml\n  idem config check idem.toml --ttl 1h"
+    )]
+    Check {
+        /// The configuration file (TOML).
+        #[arg(value_name = "FILE")]
+        file: std::path::PathBuf,
+        #[command(flatten)]
+        gateway: GatewayArgs,
+    },
+    /// Print the JSON Schema (draft 2020-12) of the configuration file, for
+    /// editors (docs/config.schema.json).
+    Schema,
+}
+
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum LogFormat {
@@ -115,9 +152,32 @@ enum LogFormat {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // `idem config` needs no runtime and no logger.
+    if let Command::Config(cmd) = &cli.command {
+        let sub = matches
+            .subcommand_matches("config")
+            .and_then(|m| m.subcommand_matches("check"));
+        return run_config(cmd, sub);
+    }
+    // The gateway's configuration is layered first: the file may name the
+    // trace exporter.
+    let gateway_config = match &cli.command {
+        Command::Gateway(args) => {
+            let sub = matches
+                .subcommand_matches("gateway")
+                .expect("the gateway subcommand was parsed");
+            match gateway_config(args, sub) {
+                Ok(c) => Some(c),
+                Err(code) => return code,
+            }
+        }
+        _ => None,
+    };
     let default_filter = match cli.command {
         Command::Gateway(_) => "info",
+        Command::Config(_) => unreachable!("answered above"),
         // Tables and JSON go to stdout; stderr gets warnings (a deletion's
         // who/what/when line) unless RUST_LOG asks for more.
         Command::Keys(_) => "warn",
@@ -134,11 +194,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let otlp = match &cli.command {
-        Command::Gateway(args) => args.otlp_endpoint.clone(),
-        #[allow(unreachable_patterns)]
-        _ => None,
-    };
+    let otlp = gateway_config
+        .as_ref()
+        .and_then(|(args, _)| args.otlp_endpoint.clone());
     let traces = match init_logging(cli.log_format, default_filter, otlp.as_ref()) {
         Ok(t) => t,
         Err(e) => {
@@ -155,7 +213,11 @@ fn main() -> ExitCode {
     };
     let code = runtime.block_on(async move {
         match cli.command {
-            Command::Gateway(args) => run_gateway(args).await,
+            Command::Gateway(_) => {
+                let (_, config) = gateway_config.expect("layered above");
+                run_gateway(config).await
+            }
+            Command::Config(_) => unreachable!("answered before the runtime starts"),
             Command::Keys(args) => keys::run(args).await,
             #[cfg(feature = "demo")]
             Command::Demo(args) => demo::run(args).await,
@@ -280,16 +342,66 @@ fn init_logging(
     }
 }
 
-/// `idem gateway`: binds, serves until Ctrl-C / SIGTERM, then drains.
-async fn run_gateway(args: GatewayArgs) -> ExitCode {
-    let config = match args.into_config() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("idem gateway: invalid configuration: {}", chain(&e));
-            eprintln!("Run `idem gateway --help` for the flags and their IDEM_* variables.");
-            return ExitCode::from(2);
-        }
+/// The configuration of `idem gateway`: the flags, the IDEM_* variables
+/// and, with `--config`/IDEM_CONFIG, the file under them. Exit status 2
+/// (with the reason on stderr) when it is refused.
+fn gateway_config(
+    args: &GatewayArgs,
+    matches: &ArgMatches,
+) -> Result<(GatewayArgs, GatewayConfig), ExitCode> {
+    let refused = |e: &dyn Error| {
+        eprintln!("idem gateway: invalid configuration: {}", chain(e));
+        eprintln!(
+            "Run `idem gateway --help` for the flags and their IDEM_* variables, \
+             `idem config check FILE` to check a configuration file."
+        );
+        ExitCode::from(2)
     };
+    match &args.config {
+        Some(path) => idem_gateway::config_file::load(matches, path)
+            .map(|l| (l.args, l.config))
+            .map_err(|e| refused(&e)),
+        None => args
+            .clone()
+            .into_config()
+            .map(|c| (args.clone(), c))
+            .map_err(|e| refused(&e)),
+    }
+}
+
+/// `idem config check FILE` and `idem config schema`.
+fn run_config(cmd: &ConfigCommand, matches: Option<&ArgMatches>) -> ExitCode {
+    match cmd {
+        ConfigCommand::Schema => {
+            let schema = idem_gateway::config_file::schema();
+            let text = serde_json::to_string_pretty(&schema).expect("a JSON value prints");
+            // A closed pipe (`| head`) is no error worth a panic.
+            let _ = writeln!(std::io::stdout(), "{text}");
+            ExitCode::SUCCESS
+        }
+        ConfigCommand::Check { file, .. } => {
+            let matches = matches.expect("the check subcommand was parsed");
+            match idem_gateway::config_file::load(matches, file) {
+                Ok(loaded) => {
+                    let _ = write!(
+                        std::io::stdout(),
+                        "# {}: valid; the effective configuration:\n{}",
+                        file.display(),
+                        loaded.report
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("idem config check: {}", chain(&e));
+                    ExitCode::from(2)
+                }
+            }
+        }
+    }
+}
+
+/// `idem gateway`: binds, serves until Ctrl-C / SIGTERM, then drains.
+async fn run_gateway(config: GatewayConfig) -> ExitCode {
     let gateway = match Gateway::bind(config).await {
         Ok(g) => g,
         Err(e) => {
@@ -338,7 +450,6 @@ pub(crate) fn chain(e: &dyn Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
 
     #[test]
     fn cli_definition_is_valid() {

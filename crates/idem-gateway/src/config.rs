@@ -69,6 +69,14 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// ```
 #[derive(clap::Args, Clone, Debug)]
 pub struct GatewayArgs {
+    /// A configuration file (TOML 1.0, docs/CONFIG.md): every flag below by
+    /// its long name with `-` written `_` (`upstream = "http://…"`,
+    /// `scope_header = ["x-api-key"]`, `require_key = true`), and
+    /// `[[routes]]` with per-route rules. Flags and IDEM_* variables win
+    /// over the file. Reloaded on SIGHUP and when it changes.
+    #[arg(long, env = "IDEM_CONFIG", value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+
     /// Address to listen on, `IP:PORT`.
     #[arg(
         long,
@@ -79,9 +87,10 @@ pub struct GatewayArgs {
     pub listen: SocketAddr,
 
     /// The service to protect, an `http://host:port[/prefix]` URL (https is
-    /// not supported yet). A path prefix is put in front of every request path.
+    /// not supported yet). A path prefix is put in front of every request
+    /// path. Required: here, in IDEM_UPSTREAM or in the configuration file.
     #[arg(long, env = "IDEM_UPSTREAM", value_name = "URL", value_parser = parse_upstream)]
-    pub upstream: Uri,
+    pub upstream: Option<Uri>,
 
     /// Where records live: `memory://` (lost on exit), `sqlite://relative.db`
     /// or `sqlite:///absolute/path.db` (created if missing),
@@ -417,8 +426,10 @@ impl GatewayArgs {
     /// or a bad `idem_*` option, or a `--scope-header` name is not a usable
     /// header name ([`ConfigError::ScopeHeader`]), the token TTL is 0, or a
     /// `--require-token` prefix does not start with `/`
-    /// ([`ConfigError::RequireToken`]).
+    /// ([`ConfigError::RequireToken`]), or no upstream is given
+    /// ([`ConfigError::NoUpstream`]).
     pub fn into_config(self) -> Result<GatewayConfig, ConfigError> {
+        let upstream = self.upstream.clone().ok_or(ConfigError::NoUpstream)?;
         let mut names: Vec<HeaderName> = Vec::with_capacity(self.scope_header.len());
         for raw in &self.scope_header {
             let name = parse_scope_header(raw).map_err(ConfigError::ScopeHeader)?;
@@ -434,7 +445,7 @@ impl GatewayArgs {
                 require_token.push(prefix);
             }
         }
-        let mut config = GatewayConfig::new(self.upstream);
+        let mut config = GatewayConfig::new(upstream);
         config.listen = self.listen;
         config.store = self.store;
         config.store_options.pool_size = self.store_pool_size;
@@ -552,7 +563,16 @@ pub struct GatewayConfig {
     pub admin_token_file: Option<std::path::PathBuf>,
     /// Per-route rules, first match wins (default none: every request
     /// gets [`Self::layer`]); from the configuration file's `[[routes]]`.
+    /// [`GatewayConfig::validate`] checks each guarded route as the
+    /// top-level settings: lease at least 1 s and above the store timeout,
+    /// TTL at least the lease (and the token TTL with `require_token`),
+    /// `max_body` above 0 and within `max_buffered`, no safe method.
     pub routes: Vec<idem_http::Route>,
+    /// The configuration file this came from and the command line it was
+    /// layered under (set by [`crate::config_file::load`]): the gateway
+    /// reloads the routes and the per-request settings from it on SIGHUP
+    /// and when the file changes (see [`crate::reload`]). Default none.
+    pub config_source: Option<crate::reload::ConfigSource>,
 }
 
 impl GatewayConfig {
@@ -576,13 +596,17 @@ impl GatewayConfig {
             admin_listen: AdminListen::default(),
             admin_token_file: None,
             routes: Vec::new(),
+            config_source: None,
         }
     }
 
     /// Whether `POST /_idem/tokens` is served: with a `--require-token`
-    /// route or `--issue-tokens`; otherwise it answers 404.
+    /// prefix, a route with `require_token = true`, or `--issue-tokens`;
+    /// otherwise it answers 404.
     pub fn tokens_served(&self) -> bool {
-        self.issue_tokens || !self.layer.require_token.is_empty()
+        self.issue_tokens
+            || !self.layer.require_token.is_empty()
+            || self.routes.iter().any(|r| r.guard && r.require_token)
     }
 
     /// The connection limit in force: [`Self::max_connections`], lowered
@@ -701,6 +725,64 @@ impl GatewayConfig {
             }
         }
         idem_http::routes::validate_routes(&self.routes).map_err(ConfigError::Route)?;
+        for route in self.routes.iter().filter(|r| r.guard) {
+            self.validate_route(route).map_err(|reason| {
+                ConfigError::Route(idem_http::RouteError::Invalid {
+                    route: route.name.clone(),
+                    reason,
+                })
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The gateway's checks of one guarded route, as of the top level.
+    fn validate_route(&self, route: &idem_http::Route) -> Result<(), String> {
+        let o = &route.options;
+        let show = |d: Duration| humantime::format_duration(d).to_string();
+        if o.lease < MIN_LEASE {
+            return Err(format!(
+                "lease ({}) must be at least {} (idem_core::MIN_LEASE)",
+                show(o.lease),
+                show(MIN_LEASE)
+            ));
+        }
+        if o.lease <= self.store_options.timeout {
+            return Err(format!(
+                "lease ({}) must be longer than --store-timeout ({})",
+                show(o.lease),
+                show(self.store_options.timeout)
+            ));
+        }
+        if o.ttl < o.lease {
+            return Err(format!(
+                "ttl ({}) is shorter than the lease ({})",
+                show(o.ttl),
+                show(o.lease)
+            ));
+        }
+        if o.max_body == 0 {
+            return Err("max_body must be above 0".into());
+        }
+        if o.max_body > self.layer.max_buffered {
+            return Err(format!(
+                "max_body ({} bytes) is above --max-buffered ({} bytes)",
+                o.max_body, self.layer.max_buffered
+            ));
+        }
+        if route.require_token && o.ttl < self.layer.token_ttl {
+            return Err(format!(
+                "ttl ({}) is shorter than --token-ttl ({}); a result must outlive its submit token",
+                show(o.ttl),
+                show(self.layer.token_ttl)
+            ));
+        }
+        if o.methods.is_empty() {
+            return Err("methods names no method".into());
+        }
+        for m in &o.methods {
+            check_method(m).map_err(|e| format!("methods: {e}"))?;
+        }
         Ok(())
     }
 }
@@ -817,6 +899,9 @@ pub enum ConfigError {
         /// The lease given.
         lease: Duration,
     },
+    /// No `--upstream`, IDEM_UPSTREAM or `upstream` in the configuration file.
+    #[error("--upstream or `upstream` in the config file is required")]
+    NoUpstream,
     /// A setting that must be above zero is zero.
     #[error("{0} must be above 0")]
     Zero(&'static str),
@@ -983,7 +1068,7 @@ fn check_scope_header(name: &HeaderName) -> Result<(), String> {
     Ok(())
 }
 
-fn check_method(m: &Method) -> Result<(), String> {
+pub(crate) fn check_method(m: &Method) -> Result<(), String> {
     if [
         Method::GET,
         Method::HEAD,
@@ -1547,7 +1632,10 @@ mod tests {
         ] {
             assert!(parse(&args).is_err(), "{args:?} parsed");
         }
-        assert!(parse(&[]).is_err(), "--upstream is required");
+        assert!(matches!(
+            parse(&[]).unwrap().g.into_config(),
+            Err(ConfigError::NoUpstream)
+        ));
     }
 
     #[cfg(all(feature = "postgres", feature = "mysql", feature = "redis"))]

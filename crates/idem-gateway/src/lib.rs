@@ -230,15 +230,25 @@
 //! going then stay in flight until their leases end. Expired records are
 //! purged every [`GatewayConfig::purge_interval`] (`--purge-interval`,
 //! 60 s), the first time one interval after start.
+//!
+//! # Configuration file
+//! [`config_file::load`] layers a TOML file (`idem gateway --config FILE`,
+//! docs/CONFIG.md) under the flags and the IDEM_* variables: its top-level
+//! keys are the flags' long names with `-` written `_`, and its
+//! `[[routes]]` become [`GatewayConfig::routes`]. [`config_file::schema`]
+//! is its JSON Schema. The gateway reloads the routes and the per-request
+//! settings from the file on SIGHUP and when it changes ([`reload`]).
 
 mod admin;
 mod config;
+pub mod config_file;
 mod guard;
 mod health;
 pub mod keys;
 mod limits;
 pub mod otel;
 mod proxy;
+pub mod reload;
 mod server;
 mod store;
 

@@ -290,9 +290,20 @@ impl Gateway {
         let cap = config.connection_cap()?;
         log_connection_cap(&config, &cap);
         let purge = tokio::spawn(purge_loop(store, config.purge_interval));
+        // Hot reload of the configuration file, until shutdown begins.
+        let reload_stop = tokio_util::sync::CancellationToken::new();
+        let _reload_stop_on_exit = reload_stop.clone().drop_guard();
+        if let Some(source) = config.config_source.clone() {
+            tokio::spawn(crate::reload::run(
+                source,
+                routes.layer.clone(),
+                reload_stop.clone(),
+            ));
+        }
         let graceful = GracefulShutdown::new();
         let door = Door::new(config.header_timeout, cap.connections);
         accept_until(listener, shutdown, &routes, &graceful, &door).await;
+        reload_stop.cancel();
         drain(graceful, routes.layer.tracker(), config.shutdown_grace).await;
         purge.abort();
         Ok(())
