@@ -2459,3 +2459,84 @@ fingerprint_body = false
     assert_replay_of(&edited, &first, "fingerprint_body = false");
     assert_eq!(up.total(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idem_config_names_the_file_too() {
+    let up = Echo::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "upstream = {:?}\nstore = \"memory://\"\n{}",
+            up.url,
+            payments_route(true)
+        ),
+    )
+    .unwrap();
+    let proc = GatewayProc::start_with(dir.path(), "env-config", &[], |cmd| {
+        cmd.env("IDEM_CONFIG", &config);
+    })
+    .await;
+    let gw = Gw {
+        proc,
+        _dir: dir,
+        config,
+    };
+    let c = client();
+    let got = post(&c, &gw, "/payments", None, "{}").await;
+    assert_problem(
+        &got,
+        400,
+        Some("key-required"),
+        "routes from IDEM_CONFIG's file",
+    );
+    assert_executed(
+        &post(&c, &gw, "/orders", None, "{}").await,
+        201,
+        "default route",
+    );
+}
+
+#[test]
+fn a_bad_file_stops_the_gateway_at_start_naming_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idem.toml");
+    std::fs::write(
+        &config,
+        "upstream = \"http://127.0.0.1:9\"\nstore = \"memory://\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nstatus_policy = \"store-500\"\n",
+    )
+    .unwrap();
+    let mut child = idem()
+        .args(["gateway", "--listen"])
+        .arg(support::free_addr().to_string())
+        .arg("--config")
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the gateway kept running on a bad file");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(
+        status.code(),
+        Some(2),
+        "a configuration error exits 2:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("store-500") && (stderr.contains(":7:") || stderr.contains("line 7")),
+        "names the value and its line (7):\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
