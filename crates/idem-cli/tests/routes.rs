@@ -1749,11 +1749,43 @@ fn config_check_refuses_a_bad_file() {
             "lease",
         ),
         (
+            "ttl-below-lease",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nttl = \"10s\"\n",
+            "ttl",
+        ),
+        (
+            "named-default",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"default\"\npath = \"/p\"\n",
+            "default",
+        ),
+        (
+            "token-ttl-above-ttl",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nrequire_token = true\nttl = \"10m\"\n",
+            "token",
+        ),
+        (
+            "max-body-above-max-buffered",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nmax_body = \"1GiB\"\n",
+            "max_body",
+        ),
+        (
+            "bad-disposition",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nstatuses = { \"504\" = \"keep\" }\n",
+            "keep",
+        ),
+        (
             "bad-status",
             "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nstatuses = { \"5x\" = \"hold\" }\n",
             "5x",
         ),
     ];
+    let too_many: String = std::iter::once("upstream = \"http://127.0.0.1:3000\"\n".to_owned())
+        .chain((0..1001).map(|i| format!("\n[[routes]]\nname = \"r{i}\"\npath = \"/r{i}\"\n")))
+        .collect();
+    let cases = cases
+        .iter()
+        .map(|&(n, t, w)| (n, t.to_owned(), w))
+        .chain([("too-many", too_many, "1001")]);
     for (name, text, named) in cases {
         let file = dir.path().join(format!("{name}.toml"));
         std::fs::write(&file, text).unwrap();
