@@ -2572,3 +2572,97 @@ fn a_bad_file_stops_the_gateway_at_start_naming_the_line() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// Reads more of a response into `rest` (at most 10 s).
+async fn read_more(s: &mut tokio::net::TcpStream, rest: &mut Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let mut chunk = [0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk))
+        .await
+        .expect("the body within 10 s")
+        .unwrap();
+    assert!(n > 0, "closed mid-body");
+    rest.extend_from_slice(&chunk[..n]);
+}
+
+/// Reads one HTTP/1.1 response from `s` (Content-Length or chunked):
+/// its status and body.
+async fn read_response(s: &mut tokio::net::TcpStream) -> (u16, String) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk))
+            .await
+            .expect("a response within 10 s")
+            .unwrap();
+        assert!(
+            n > 0,
+            "the connection was closed: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let mut rest = buf[head_end..].to_vec();
+    let body = if let Some(len) = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map(|v| v.trim().parse::<usize>().unwrap())
+    {
+        while rest.len() < len {
+            read_more(s, &mut rest).await;
+        }
+        rest[..len].to_vec()
+    } else {
+        // Chunked: read until the last chunk.
+        while !rest.windows(5).any(|w| w == b"0\r\n\r\n") {
+            read_more(s, &mut rest).await;
+        }
+        rest
+    };
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_connection_survives_a_reload_and_gets_the_new_rules() {
+    use tokio::io::AsyncWriteExt;
+    let up = Echo::start().await;
+    let gw = Gw::start("reload-keepalive", &up, "", &payments_route(false)).await;
+    let mut s = tokio::net::TcpStream::connect(gw.proc.addr).await.unwrap();
+    let request = format!(
+        "POST /payments HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+         Content-Length: 2\r\n\r\n{{}}",
+        gw.proc.addr
+    );
+    s.write_all(request.as_bytes()).await.unwrap();
+    let (status, body) = read_response(&mut s).await;
+    assert_eq!(status, 201, "keyless POST before the reload: {body}");
+
+    let text = std::fs::read_to_string(&gw.config).unwrap();
+    std::fs::write(
+        &gw.config,
+        text.replace("require_key = false", "require_key = true"),
+    )
+    .unwrap();
+    gw.proc.signal("-HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while log_count(&gw, "configuration reloaded") == 0 {
+        assert!(Instant::now() < deadline, "not reloaded:\n{}", gw.logs());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    s.write_all(request.as_bytes()).await.unwrap();
+    let (status, body) = read_response(&mut s).await;
+    assert_eq!(
+        status,
+        400,
+        "the same connection, after the reload: the new rules (require_key): {body}\n{}",
+        gw.logs()
+    );
+    assert!(body.contains("key-required"), "{body}");
+    assert_eq!(up.total(), 1);
+}
