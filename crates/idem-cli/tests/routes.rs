@@ -2666,3 +2666,38 @@ async fn an_open_connection_survives_a_reload_and_gets_the_new_rules() {
     assert!(body.contains("key-required"), "{body}");
     assert_eq!(up.total(), 1);
 }
+
+#[test]
+fn every_flag_of_the_configuration_table_has_a_file_key() {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
+            .unwrap();
+    let flags: Vec<String> = readme
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `--"))
+        .filter_map(|l| l.split([' ', '`']).next())
+        .filter(|f| *f != "config")
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        flags.len() > 20,
+        "the README's configuration table: {flags:?}"
+    );
+    let out = idem()
+        .args(["config", "schema"])
+        .output()
+        .expect("run idem config schema");
+    let (schema, _) = support::succeeded(&out, "idem config schema");
+    let schema: serde_json::Value = serde_json::from_str(&schema).unwrap();
+    let keys = schema["properties"].as_object().expect("properties");
+    let missing: Vec<String> = flags
+        .iter()
+        .map(|f| f.replace('-', "_"))
+        .filter(|k| !keys.contains_key(k))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "flags of the README's configuration table without a file key (issue 14: \
+         \"every flag in the configuration table has its file equivalent\"): {missing:?}"
+    );
+}
