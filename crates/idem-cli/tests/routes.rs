@@ -2701,3 +2701,58 @@ fn every_flag_of_the_configuration_table_has_a_file_key() {
          \"every flag in the configuration table has its file equivalent\"): {missing:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_route_name_is_a_field_of_json_log_lines() {
+    let up = Echo::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "upstream = {:?}\nstore = \"memory://\"\n\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\n",
+            up.url
+        ),
+    )
+    .unwrap();
+    let path = config.display().to_string();
+    let proc = GatewayProc::start(
+        dir.path(),
+        "json-log",
+        &["--log-format", "json", "--config", &path],
+    )
+    .await;
+    let gw = Gw {
+        proc,
+        _dir: dir,
+        config,
+    };
+    let c = client();
+    assert_executed(
+        &post(&c, &gw, "/payments", Some("k-json"), "{}").await,
+        201,
+        "payments",
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let found = gw.proc.logs().lines().any(|l| {
+            serde_json::from_str::<serde_json::Value>(l).is_ok_and(|v| {
+                let f = if v["fields"].is_object() {
+                    &v["fields"]
+                } else {
+                    &v
+                };
+                f["key"] == "k-json" && f["route"] == "payments"
+            })
+        });
+        if found {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a JSON request line with \"route\":\"payments\":\n{}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
