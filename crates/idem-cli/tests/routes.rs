@@ -2756,3 +2756,47 @@ async fn the_route_name_is_a_field_of_json_log_lines() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_spelling_of_the_path_escapes_the_payments_rules() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "payments"
+path = "/payments"
+require_key = true
+"#;
+    let gw = Gw::start("escapes", &up, "", routes).await;
+    let c = client();
+    // Each is refused (the payments rules, or an ambiguous path refused
+    // outright); none reaches the upstream without a key. (An encoded
+    // `%3B` is data, not a `;parameter`: `/payments%3Bv=1` is another
+    // segment, as the front door decided, and is not listed.)
+    for path in [
+        "/payments%2F1",
+        "/payments%2f1",
+        "/payments;v=1",
+        "/x/..%2Fpayments",
+        "/%2e/payments",
+        "/payments%00",
+        "/PAYMENTS%2F",
+        "/pay%6Dents/1",
+    ] {
+        let got = post(&c, &gw, path, None, "{}").await;
+        assert!(
+            (400..500).contains(&got.status),
+            "keyless POST {path}: refused expected: {got:?}"
+        );
+        assert_eq!(
+            up.total(),
+            0,
+            "POST {path} reached the upstream: {:?}",
+            up.execs()
+        );
+    }
+    // The absolute form of the request target.
+    let target = format!("http://{}/PAYMENTS/1", gw.proc.addr);
+    let (status, answer) = chunked_post(&gw, &target, &[], &["{}"]).await;
+    assert_eq!(status, 400, "keyless absolute-form POST:\n{answer}");
+    assert_eq!(up.total(), 0);
+}
