@@ -946,6 +946,48 @@ guard = false
 async fn ttl_per_route_is_the_stored_expiry() {
     let dir = tempfile::tempdir().unwrap();
     let store = sqlite_store(dir.path());
+    ttl_per_route_in(dir, &store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_per_route_is_the_stored_expiry_on_redis() {
+    let dir = tempfile::tempdir().unwrap();
+    let redis = support::RedisProc::start(dir.path(), support::free_addr().port());
+    let store = format!("redis://127.0.0.1:{}/", redis.port);
+    ttl_per_route_in(dir, &store).await;
+    // The records' own Redis expiry follows the route too.
+    let port = redis.port.to_string();
+    let keys = support::stdout_of("redis-cli", &["-p", &port, "--scan", "--pattern", "*:r"]);
+    let mut pttl: Vec<u64> = keys
+        .lines()
+        .map(|k| {
+            support::stdout_of("redis-cli", &["-p", &port, "PTTL", k.trim()])
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    pttl.sort_unstable();
+    let hour = 3_600_000u64;
+    assert_eq!(pttl.len(), 3, "three records: {keys}");
+    // Redis keeps a record a while past its TTL (`keep_expired`, 1 h by
+    // default): the same margin on every route, so compare differences.
+    assert!(
+        pttl[0] >= 2 * hour - 60_000 && pttl[0] < 48 * hour,
+        "the short route's record expires in Redis after 2h (+ keep_expired): {pttl:?}"
+    );
+    for t in &pttl[1..] {
+        let gap = t - pttl[0];
+        assert!(
+            (46 * hour - 60_000..=46 * hour + 60_000).contains(&gap),
+            "the others 46 h later (48h - 2h): {pttl:?}"
+        );
+    }
+}
+
+/// Three routes' TTLs (own 2h, inherited 48h, default 48h) as the records
+/// of `store` show them.
+async fn ttl_per_route_in(dir: tempfile::TempDir, store: &str) {
+    let store = store.to_owned();
     let up = Echo::start().await;
     let routes = r#"
 [[routes]]
