@@ -636,3 +636,32 @@ fn the_documented_example_is_valid() {
         assert!(out.contains(route), "{out}");
     }
 }
+
+/// A reload cannot add a token route to a gateway that does not serve
+/// `POST /_idem/tokens`: its keys could never be had. Refused, the running
+/// rules stay.
+#[tokio::test]
+async fn a_reload_that_needs_the_token_endpoint_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let f = dir.path().join("idem.toml");
+    write(&f, &config_text(&up.url, false, ""));
+    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
+    let c = reqwest::Client::new();
+    reload_ready(&c, &gw).await;
+    let token_route = "\n[[routes]]\nname = \"tok\"\npath = \"/tok\"\nrequire_token = true\n";
+    write(&f, &config_text(&up.url, false, token_route));
+    gw.signal("-HUP");
+    let m = reloads_reach(&c, &gw, 1).await;
+    assert_eq!(m, (0, 1, Some(0)), "{}", gw.logs());
+    assert!(gw.logs().contains("restart it to apply"), "{}", gw.logs());
+    let status = c
+        .post(gw.url("/pay?ms=1"))
+        .header("idempotency-key", "not-a-token")
+        .body("{}")
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status, 201, "the running rules stay: no token needed");
+}

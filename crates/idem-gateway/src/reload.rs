@@ -123,8 +123,13 @@ pub(crate) fn register_metrics() {
 }
 
 /// Reloads from `source` into `layer` on SIGHUP and on change until `stop`
-/// is cancelled.
-pub(crate) async fn run(source: ConfigSource, layer: IdempotencyLayer, stop: CancellationToken) {
+/// is cancelled; `tokens_served`: whether this process serves `POST
+/// /_idem/tokens` (decided at start).
+pub(crate) async fn run(
+    source: ConfigSource,
+    (layer, tokens_served): (IdempotencyLayer, bool),
+    stop: CancellationToken,
+) {
     #[cfg(unix)]
     let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
         Ok(s) => Some(s),
@@ -171,12 +176,16 @@ pub(crate) async fn run(source: ConfigSource, layer: IdempotencyLayer, stop: Can
         if matches!(trigger, Trigger::Signal) {
             last = stamp(&source.path);
         }
-        reload_once(&source, &layer, trigger);
+        reload_once(&source, (&layer, tokens_served), trigger);
     }
 }
 
 /// One reload; the outcome is logged and counted.
-fn reload_once(source: &ConfigSource, layer: &IdempotencyLayer, trigger: Trigger) {
+fn reload_once(
+    source: &ConfigSource,
+    (layer, tokens_served): (&IdempotencyLayer, bool),
+    trigger: Trigger,
+) {
     let path = source.path.display().to_string();
     let fail = |reason: String| {
         tracing::error!(
@@ -193,12 +202,30 @@ fn reload_once(source: &ConfigSource, layer: &IdempotencyLayer, trigger: Trigger
         Ok(l) => l,
         Err(e) => return fail(crate::config_file::error_chain(&e)),
     };
+    if loaded.config.tokens_served() && !tokens_served {
+        // Its keys could never be had: every request would get 428/403.
+        return fail(
+            "a route now requires submit tokens, but this gateway does not serve POST \
+             /_idem/tokens (it started without --require-token, --issue-tokens or a \
+             require_token route); restart it to apply this file"
+                .into(),
+        );
+    }
     let restart: Vec<String> = restart_needed(&source.report, &loaded.report);
     let mut options = loaded.config.layer.clone();
     options.fail_open = layer.options().fail_open.clone();
     let routes = loaded.config.routes.len();
-    if let Err(e) = layer.reload(options, loaded.config.routes) {
-        return fail(e.to_string());
+    let reloaded = match layer.reload(options, loaded.config.routes) {
+        Ok(r) => r,
+        Err(e) => return fail(e.to_string()),
+    };
+    if !reloaded.rekeyed.is_empty() {
+        tracing::warn!(
+            target: "idem",
+            file = %path,
+            routes = %reloaded.rekeyed.join(","),
+            "configuration reload changed the scope or the key source of these routes: results stored before are not found by retries, which run again"
+        );
     }
     if !restart.is_empty() {
         tracing::warn!(

@@ -296,7 +296,7 @@ impl Gateway {
         if let Some(source) = config.config_source.clone() {
             tokio::spawn(crate::reload::run(
                 source,
-                routes.layer.clone(),
+                (routes.layer.clone(), config.tokens_served()),
                 reload_stop.clone(),
             ));
         }

@@ -20,6 +20,18 @@ use crate::tokens::{TokenBudget, TokenIssueError};
 use arc_swap::ArcSwap;
 use std::sync::OnceLock;
 
+/// What a [`IdempotencyLayer::reload`] changed that its caller should warn
+/// about.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Reloaded {
+    /// The routes (by name; `default` for the layer's own rules) whose
+    /// scope or key source changed: their keys are now looked up under
+    /// another scope or read from another place, so the results stored
+    /// before the reload are not found by retries, which run again.
+    pub rekeyed: Vec<String>,
+}
+
 /// `with_*` setters that each set the [`Options`] field of their name
 /// (the doc comments written at the call pass through).
 macro_rules! options_setters {
@@ -268,10 +280,13 @@ impl IdempotencyLayer {
     /// (not the layer-wide ones, see [`Route`]) and `routes`. A request
     /// already running keeps the rules it started with.
     ///
+    /// Returns what the new rules change that a caller should be warned
+    /// about ([`Reloaded`]).
+    ///
     /// # Errors
     /// [`RouteError`] when `routes` or `options` are refused; the rules in
     /// force stay.
-    pub fn reload(&self, options: Options, routes: Vec<Route>) -> Result<(), RouteError> {
+    pub fn reload(&self, options: Options, routes: Vec<Route>) -> Result<Reloaded, RouteError> {
         crate::routes::validate_routes(&routes)?;
         options.validate().map_err(|e| RouteError::Invalid {
             route: crate::routes::DEFAULT_ROUTE.into(),
@@ -291,8 +306,9 @@ impl IdempotencyLayer {
                 reason: format!("fingerprint: {e}"),
             })?;
         let table = Table::new(&self.store, &self.options, &options, &routes);
+        let rekeyed = self.rules().load().rekeyed_by(&table);
         self.rules().store(Arc::new(table));
-        Ok(())
+        Ok(Reloaded { rekeyed })
     }
 
     /// The longest reading a guarded request body may take in all (default

@@ -146,7 +146,7 @@ pub use idem_core::{DynStore, Scope};
 pub use body::full;
 pub use future::ResponseFuture;
 pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED};
-pub use layer::IdempotencyLayer;
+pub use layer::{IdempotencyLayer, Reloaded};
 pub use observe::{RequestOutcome, TokenRejection};
 pub use options::{
     FailOpenGuard, Options, DEFAULT_MAX_BODY, DEFAULT_METHODS, DEFAULT_RETENTION_LIMIT,

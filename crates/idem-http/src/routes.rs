@@ -361,6 +361,9 @@ pub(crate) struct Table {
     /// Every method some guarded rule covers (for the `method-case`
     /// refusal and the fast pass-through of other methods).
     pub(crate) methods: Vec<Method>,
+    /// Every method some rule covers, guarded or not (a request of
+    /// another method is counted under `default` without matching).
+    all_methods: Vec<Method>,
 }
 
 impl Table {
@@ -387,12 +390,14 @@ impl Table {
             })
             .collect();
         let mut methods: Vec<Method> = Vec::new();
+        let mut all_methods: Vec<Method> = Vec::new();
         for rules in routes.iter().chain(std::iter::once(&default)) {
-            if rules.guard {
-                for m in &rules.options.methods {
-                    if !methods.contains(m) {
-                        methods.push(m.clone());
-                    }
+            for m in &rules.options.methods {
+                if rules.guard && !methods.contains(m) {
+                    methods.push(m.clone());
+                }
+                if !all_methods.contains(m) {
+                    all_methods.push(m.clone());
                 }
             }
         }
@@ -400,6 +405,7 @@ impl Table {
             routes,
             default,
             methods,
+            all_methods,
         }
     }
 
@@ -438,34 +444,39 @@ impl Table {
             })
     }
 
-    /// The metric handles of the rules named `name`.
-    pub(crate) fn observer_named(&self, name: &str) -> Arc<Observer> {
-        self.routes
-            .iter()
-            .find(|r| &*r.name == name)
-            .unwrap_or(&self.default)
-            .observer
-            .clone()
+    /// The names of the rules of `self` whose scope or key source differ in
+    /// `next` (a route of the same name, or the default).
+    pub(crate) fn rekeyed_by(&self, next: &Table) -> Vec<String> {
+        let mut out = Vec::new();
+        for old in self.routes.iter().chain(std::iter::once(&self.default)) {
+            let new = if *old.name == *DEFAULT_ROUTE {
+                Some(&next.default)
+            } else {
+                next.routes.iter().find(|r| r.name == old.name)
+            };
+            if let Some(new) = new {
+                let (a, b) = (&old.options, &new.options);
+                if old.guard && new.guard && (a.scope != b.scope || a.key_source != b.key_source) {
+                    out.push(old.name.to_string());
+                }
+            }
+        }
+        out
     }
 
-    /// The route name of a request for the access log: its rules' name, or
-    /// the first route whose path matches whatever the method.
-    pub(crate) fn name_for(&self, method: &Method, path: &str) -> Arc<str> {
-        let Ok(normal) = normalize_path(path) else {
-            return self.default.name.clone();
-        };
-        let rule = rule_form(&normal);
-        if let Some(r) = self.rules_for(method, &rule) {
-            return r.name.clone();
+    /// The rules a passed-through request is counted under: those that
+    /// cover its method and path (a `guard = false` route, or a guarded
+    /// one it fell through, e.g. without a key), else the default. Without
+    /// routes, or for a method no rule covers, no path is looked at.
+    pub(crate) fn counted_under(&self, method: &Method, path: &str) -> &Rules {
+        if self.routes.is_empty() || !self.all_methods.contains(method) {
+            return &self.default;
         }
-        self.routes
-            .iter()
-            .find(|r| {
-                r.pattern
-                    .as_ref()
-                    .is_some_and(|p| p.matches_rule_form(&rule))
-            })
-            .map_or_else(|| self.default.name.clone(), |r| r.name.clone())
+        let Ok(normal) = normalize_path(path) else {
+            return &self.default;
+        };
+        self.rules_for(method, &rule_form(&normal))
+            .unwrap_or(&self.default)
     }
 }
 

@@ -6,7 +6,7 @@ use idem_core::Scope;
 /// How the scope of a request is derived. Two scopes never see each
 /// other's records, so two callers that pick the same key stay apart
 /// (CASES E3).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ScopeBy {
     /// SHA-256 over every value of these headers, in order (default:
     /// `Authorization`); none present → the anonymous scope.

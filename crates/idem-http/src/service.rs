@@ -662,19 +662,15 @@ where
     RB: Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    // Without routes (or without the access log) the route is `default`:
-    // no path is matched on the hot path.
-    let (observer, access) = if access_log {
+    let rules = table.counted_under(req.method(), req.uri().path());
+    let access = access_log.then(|| {
         let path = match normalize_path(req.uri().path()) {
             Ok(p) => p.into_owned(),
             Err(_) => req.uri().path().to_owned(),
         };
-        let name = table.name_for(req.method(), req.uri().path());
-        let observer = table.observer_named(&name);
-        (observer, Some((req.method().clone(), path, name)))
-    } else {
-        (table.default.observer.clone(), None)
-    };
+        (req.method().clone(), path, rules.name.clone())
+    });
+    let observer = rules.observer.clone();
     let fut = inner.call(req.map(|b| b.map_err(Into::into).boxed_unsync()));
     boxed_response(fut, started, observer, access)
 }
