@@ -984,6 +984,34 @@ async fn ttl_per_route_is_the_stored_expiry_on_redis() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_per_route_is_the_stored_expiry_on_postgres() {
+    let base = support::POSTGRES.require();
+    let schema = support::unique("routes_ttl");
+    let store = support::with_param(
+        &support::with_param(&base, "idem_schema", &schema),
+        "idem_table",
+        "records",
+    );
+    struct DropSchema(String, String);
+    impl Drop for DropSchema {
+        fn drop(&mut self) {
+            support::cleanup(
+                &format!("schema {}", self.1),
+                "psql",
+                &[
+                    &self.0,
+                    "-q",
+                    "-c",
+                    &format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.1),
+                ],
+            );
+        }
+    }
+    let _cleanup = DropSchema(base, schema);
+    ttl_per_route_in(tempfile::tempdir().unwrap(), &store).await;
+}
+
 /// Three routes' TTLs (own 2h, inherited 48h, default 48h) as the records
 /// of `store` show them.
 async fn ttl_per_route_in(dir: tempfile::TempDir, store: &str) {
