@@ -534,10 +534,17 @@ fn remove_pointers(value: &mut Value, pointers: &[&[String]]) {
     }
 }
 
-/// Whether the query parameter `param` is one of `ignored` by name (see
-/// [`FingerprintSpec::ignore_query`]).
+/// Whether the query parameter `param` (split at `&`) is one of `ignored`
+/// by name (see [`FingerprintSpec::ignore_query`]).
+///
+/// A parameter with a `;` in it is never ignored: servers that also split
+/// queries at `;` (Rack 2, Python's `parse_qs` before 3.9.2, Go before
+/// 1.17) read `utm_source=x;amount=100` as two parameters, servers that do
+/// not as one; left out, `…;amount=100` and `…;amount=999` would share a
+/// fingerprint for the first kind. Kept whole, both kinds of server are
+/// judged right.
 fn ignored_param(param: &str, ignored: &[String]) -> bool {
-    if ignored.is_empty() {
+    if ignored.is_empty() || param.contains(';') {
         return false;
     }
     let name = param.split_once('=').map_or(param, |(n, _)| n);

@@ -183,35 +183,56 @@ pub(crate) struct Finished<'a> {
     pub(crate) log: bool,
 }
 
-/// The layer's metric handles (registered once per layer).
+/// The metric handles of one route (registered once per layer and route).
 pub(crate) struct Observer {
-    /// One per [`RequestOutcome::ALL`], in that order.
-    requests: [Counter; 9],
-    durations: [Histogram; 9],
+    /// The `route` label.
+    route: metrics::SharedString,
+    /// One per [`RequestOutcome::ALL`], in that order: the request counter
+    /// and its duration histogram, registered when the observer is made
+    /// for the default route (so every series shows, at 0) and on first
+    /// use for a named route (so a route that never sees a request, or one
+    /// replaced by a reload, adds no series).
+    handles: [std::sync::OnceLock<(Counter, Histogram)>; 9],
     in_flight: Gauge,
     tokens_issued: Counter,
 }
 
 impl std::fmt::Debug for Observer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Observer").finish_non_exhaustive()
+        f.debug_struct("Observer")
+            .field("route", &self.route)
+            .finish_non_exhaustive()
     }
 }
 
 impl Observer {
-    /// Registers the handles of the route `route` with the current recorder.
+    /// The handles of the route `route` with the current recorder (those
+    /// of the default route registered now).
     pub(crate) fn for_route(route: &str) -> Self {
-        let route = metrics::SharedString::from(route.to_owned());
-        Self {
-            requests: RequestOutcome::ALL.map(|o| {
-                metrics::counter!(REQUESTS, "outcome" => o.as_str(), "route" => route.clone())
-            }),
-            durations: RequestOutcome::ALL.map(|o| {
-                metrics::histogram!(REQUEST_DURATION, "outcome" => o.as_str(), "route" => route.clone())
-            }),
+        let o = Self {
+            route: metrics::SharedString::from(route.to_owned()),
+            handles: std::array::from_fn(|_| std::sync::OnceLock::new()),
             in_flight: metrics::gauge!(IN_FLIGHT),
             tokens_issued: metrics::counter!(TOKENS_ISSUED),
+        };
+        if route == crate::routes::DEFAULT_ROUTE {
+            for i in 0..RequestOutcome::ALL.len() {
+                o.handles(i);
+            }
         }
+        o
+    }
+
+    /// The counter and histogram of outcome `i`.
+    fn handles(&self, i: usize) -> &(Counter, Histogram) {
+        self.handles[i].get_or_init(|| {
+            let outcome = RequestOutcome::ALL[i].as_str();
+            let route = self.route.clone();
+            (
+                metrics::counter!(REQUESTS, "outcome" => outcome, "route" => route.clone()),
+                metrics::histogram!(REQUEST_DURATION, "outcome" => outcome, "route" => route),
+            )
+        })
     }
 
     /// Counts a guarded request as running until the guard is dropped.
@@ -229,9 +250,9 @@ impl Observer {
     /// (when `f.log`), and its outcome, status and key hash on the current
     /// span.
     pub(crate) fn finished(&self, f: &Finished<'_>) {
-        let i = f.outcome as usize;
-        self.requests[i].increment(1);
-        self.durations[i].record(f.elapsed);
+        let (requests, duration) = self.handles(f.outcome as usize);
+        requests.increment(1);
+        duration.record(f.elapsed);
         let span = tracing::Span::current();
         let log = f.log && tracing::enabled!(target: "idem", tracing::Level::INFO);
         // SHA-256 of the scoped key only when someone reads it.

@@ -103,8 +103,16 @@ impl From<fn(StatusCode) -> Disposition> for StatusPolicy {
 
 /// Why a status override was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0:?} is not a status (100-999) nor a class (1xx-9xx)")]
-pub struct StatusPatternError(pub String);
+#[non_exhaustive]
+pub enum StatusPatternError {
+    /// Not a status (100-999) nor a class (`1xx`-`9xx`).
+    #[error("{0:?} is not a status (100-999) nor a class (1xx-9xx)")]
+    Pattern(String),
+    /// A 2xx released or held: every successful request would run again
+    /// when retried, the failure the layer exists to prevent.
+    #[error("{0:?} would release or hold successful (2xx) answers, so every retry of a successful request would run again; 2xx answers are always stored")]
+    Success(String),
+}
 
 impl StatusPolicy {
     /// `base` with no override.
@@ -137,25 +145,34 @@ impl StatusPolicy {
     /// override of the same pattern replaces an earlier one.
     ///
     /// # Errors
-    /// [`StatusPatternError`] for anything else.
+    /// [`StatusPatternError::Pattern`] for anything else;
+    /// [`StatusPatternError::Success`] for a 2xx status or the `2xx` class
+    /// with anything but [`Disposition::Store`].
     pub fn with(
         mut self,
         pattern: &str,
         disposition: Disposition,
     ) -> Result<Self, StatusPatternError> {
-        let err = || StatusPatternError(pattern.to_owned());
+        let err = || StatusPatternError::Pattern(pattern.to_owned());
+        let success = || StatusPatternError::Success(pattern.to_owned());
         let p = pattern.trim().to_ascii_lowercase();
         if let Some(d) = p.strip_suffix("xx") {
             let class: usize = match d.as_bytes() {
                 [c @ b'1'..=b'9'] => usize::from(c - b'0'),
                 _ => return Err(err()),
             };
+            if class == 2 && disposition != Disposition::Store {
+                return Err(success());
+            }
             self.class[class] = Some(disposition);
             return Ok(self);
         }
         let code: u16 = p.parse().map_err(|_| err())?;
         if !(100..=999).contains(&code) || p.len() != 3 {
             return Err(err());
+        }
+        if (200..300).contains(&code) && disposition != Disposition::Store {
+            return Err(success());
         }
         self.exact.retain(|(c, _)| *c != code);
         self.exact.push((code, disposition));

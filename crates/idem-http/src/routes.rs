@@ -133,6 +133,15 @@ impl std::str::FromStr for PathPattern {
         if raw.contains("//") {
             return Err(err("has an empty segment ('//')".into()));
         }
+        if let Some(c) = raw
+            .chars()
+            .find(|c| matches!(c, '*' | '?' | '#') || c.is_whitespace())
+        {
+            return Err(err(format!(
+                "{c:?} is not allowed: a pattern is a path prefix matched by segment (`/a` \
+                 covers `/a/b`), with `{{name}}` for one segment; no wildcards, query or fragment"
+            )));
+        }
         let mut segments = Vec::new();
         for seg in raw[1..].split('/') {
             if seg.is_empty() {

@@ -159,6 +159,13 @@ where
             return pass_through(&mut inner, req, started, &table, access_log)
                 .in_span(entered.exit());
         };
+        // The token prefixes hold on every route: a pass-through route
+        // under one is guarded by the layer's own rules.
+        let rules = if !rules.guard && self.options.token_required(normal_path) {
+            &table.default
+        } else {
+            rules
+        };
         if !rules.guard {
             return pass_through(&mut inner, req, started, &table, access_log)
                 .in_span(entered.exit());
@@ -604,8 +611,14 @@ impl Run {
 
 /// The key in a JSON body at `pointer`. `Err(None)`: no key and none
 /// required (pass the request through); `Err(Some(problem))`: refused
-/// (400 `key-required`, `invalid-key`, or 428 `token-required` on a token
-/// route).
+/// (400 `key-required`, `invalid-key`, `body-not-json`, or 428
+/// `token-required` on a token route).
+///
+/// A body that is not I-JSON (RFC 7493: malformed, a duplicate member
+/// name, a lone surrogate, nested deeper than 128) is refused whether a key
+/// is required or not: a parser of the upstream may still read a key in it
+/// (the last of two `event_id` members), so passing it through would run
+/// an event that already ran.
 fn body_key(
     body: &[u8],
     pointer: &str,
@@ -614,16 +627,20 @@ fn body_key(
 ) -> Result<IdempotencyKey, Option<Problem>> {
     match key_from_json(body, pointer) {
         Ok(Some(key)) => Ok(key),
-        Ok(None) | Err(BodyKeyError::NotJson) if token => Err(Some(token_missing())),
-        Ok(None) | Err(BodyKeyError::NotJson) if !require_key => Err(None),
-        Ok(None) => Err(Some(key_required(pointer))),
+        Ok(None) if token => Err(Some(token_missing())),
+        Ok(None) if !require_key => Err(None),
+        Ok(None) => Err(Some(
+            key_required(pointer).with_member("key_json_pointer", pointer),
+        )),
         Err(e @ BodyKeyError::NotJson) => Err(Some(
             Problem::new(
                 StatusCode::BAD_REQUEST,
-                "key-required",
+                "body-not-json",
                 format!(
-                    "{e}: this request must carry an idempotency key in its JSON body, at \
-                     the JSON Pointer {pointer:?} (RFC 6901)."
+                    "{e}: this route reads the idempotency key from the JSON body (at the JSON \
+                     Pointer {pointer:?}, RFC 6901), and a body that is not I-JSON (RFC 7493: \
+                     malformed, a duplicate member name, a lone surrogate, nested deeper than \
+                     128) cannot be judged. Send the body as plain JSON."
                 ),
             )
             .with_member("key_json_pointer", pointer),

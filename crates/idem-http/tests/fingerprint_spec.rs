@@ -67,6 +67,18 @@ fn default_spec_is_the_plain_fingerprint() {
 }
 
 #[test]
+fn a_semicolon_keeps_an_ignored_parameter() {
+    let s = FingerprintSpec {
+        ignore_query: vec!["utm_source".into()],
+        ..spec()
+    };
+    assert_ne!(
+        fp(&s, "/q?utm_source=x;amount=100", "{}"),
+        fp(&s, "/q?utm_source=x;amount=999", "{}")
+    );
+}
+
+#[test]
 fn ignored_query_params() {
     let s = FingerprintSpec {
         ignore_query: vec!["utm_source".into(), "utm medium".into()],
@@ -96,6 +108,9 @@ fn ignored_query_params() {
         "/p?a=1&utm%2Bmedium=z",
         "/p?a=%31",
         "/p",
+        // `;` separates parameters for some servers: never left out.
+        "/p?a=1&utm_source=x;b=2",
+        "/p?utm_source=x;a=1",
     ] {
         assert_ne!(base, fp(&s, other, body), "{other}");
     }

@@ -214,10 +214,27 @@ async fn a_key_from_the_json_body() {
     }
     assert_eq!(app.runs(), 3);
     // Required: 400, nothing runs.
-    for body in [r#"{"other":1}"#, "not json", ""] {
+    for body in [r#"{"other":1}"#, ""] {
         let (status, _, b) = send(&layer, &app, Method::POST, "/strict", &[json], body).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
         assert_eq!(problem_type(&b), "urn:idem:problem:key-required", "{body}");
+    }
+    // A body that is not I-JSON is refused, required or not: an upstream
+    // parser may still read a key in it (the last of two members).
+    for path in ["/strict", "/webhooks"] {
+        for body in [
+            "not json",
+            r#"{"event_id":"evt_1","event_id":"evt_1","amount":10}"#,
+            r#"{"event_id":"evt_1","x":"\ud800"}"#,
+        ] {
+            let (status, _, b) = send(&layer, &app, Method::POST, path, &[json], body).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}");
+            assert_eq!(
+                problem_type(&b),
+                "urn:idem:problem:body-not-json",
+                "{path} {body}"
+            );
+        }
     }
     // A member that is not a key: 400 invalid-key, required or not.
     for body in [
@@ -371,4 +388,26 @@ async fn a_clone_built_on_does_not_change_the_original() {
         .await
         .unwrap();
     assert_eq!(resp.status(), StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn a_pass_through_route_under_a_token_prefix_still_needs_the_token() {
+    let app = App::new();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_require_token(["/pay"])
+        .with_routes(vec![route("payfree", "/pay/free", |r| r.guard = false)])
+        .unwrap();
+    let (status, _, body) = send(&layer, &app, Method::POST, "/pay/free", &[], "{}").await;
+    assert_eq!(status, StatusCode::PRECONDITION_REQUIRED);
+    assert_eq!(problem_type(&body), "urn:idem:problem:token-required");
+    let (status, _, _) = send(&layer, &app, Method::POST, "/pay/free", &[KEY], "{}").await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "not a live token");
+    assert_eq!(app.runs(), 0);
+    // Outside the prefix the route passes through.
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_require_token(["/pay"])
+        .with_routes(vec![route("free", "/free", |r| r.guard = false)])
+        .unwrap();
+    let (status, _, _) = send(&layer, &app, Method::POST, "/free", &[], "{}").await;
+    assert_eq!(status, StatusCode::CREATED);
 }
