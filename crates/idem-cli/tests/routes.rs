@@ -1872,6 +1872,16 @@ fn config_check_refuses_a_bad_file() {
             "max_body",
         ),
         (
+            "held-2xx",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nstatuses = { \"2xx\" = \"release\" }\n",
+            "2xx",
+        ),
+        (
+            "wildcard-path",
+            "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/webhooks/*\"\n",
+            "*",
+        ),
+        (
             "bad-disposition",
             "upstream = \"http://127.0.0.1:3000\"\n\n[[routes]]\nname = \"p\"\npath = \"/p\"\nstatuses = { \"504\" = \"keep\" }\n",
             "keep",
