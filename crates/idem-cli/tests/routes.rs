@@ -1575,6 +1575,50 @@ require_token = true
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_level_token_prefixes_hold_on_every_route() {
+    let up = Echo::start().await;
+    let routes = r#"
+[[routes]]
+name = "carts"
+path = "/pay/carts"
+guard = false
+
+[[routes]]
+name = "relaxed"
+path = "/pay/relaxed"
+require_key = false
+"#;
+    let gw = Gw::start("token-prefix", &up, r#"require_token = ["/pay"]"#, routes).await;
+    let c = client();
+    let who = ("authorization", "Bearer alice");
+    for path in ["/pay/carts/1", "/pay/relaxed", "/pay/other"] {
+        let none = send(&c, &gw, "POST", path, &[who], "{}").await;
+        assert_problem(
+            &none,
+            428,
+            Some("token-required"),
+            &format!("{path} without a token"),
+        );
+        let made_up = send(
+            &c,
+            &gw,
+            "POST",
+            path,
+            &[who, ("idempotency-key", "made-up")],
+            "{}",
+        )
+        .await;
+        assert_problem(
+            &made_up,
+            403,
+            Some("token-unknown"),
+            &format!("{path} with a made-up key"),
+        );
+    }
+    assert_eq!(up.total(), 0, "{:?}", up.execs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_may_guard_a_method_the_top_level_does_not() {
     let up = Echo::start().await;
     let routes = r#"
