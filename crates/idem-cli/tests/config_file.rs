@@ -762,10 +762,10 @@ async fn a_file_caught_mid_write_is_not_applied() {
             .truncate(true)
             .open(&f)
             .unwrap();
-        file.write_all(whole[..cut].as_bytes()).unwrap();
+        file.write_all(&whole.as_bytes()[..cut]).unwrap();
         file.sync_all().unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        file.write_all(whole[cut..].as_bytes()).unwrap();
+        file.write_all(&whole.as_bytes()[cut..]).unwrap();
     }
     let m = reloads_reach(&c, &gw, 2).await;
     assert_eq!(m, (1, 1, Some(1)), "{}", gw.logs());

@@ -1509,7 +1509,7 @@ mod tests {
         std::fs::write(&f, "ttl = \"1h\"\n").unwrap();
         load_for_reload(&m, &f).unwrap();
         // Over the limit, at start and on reload, without parsing.
-        let mut big = "ttl = \"1h\"\n".repeat(1);
+        let mut big = String::from("ttl = \"1h\"\n");
         big.push_str(&"# padding\n".repeat((MAX_CONFIG_FILE as usize) / 10 + 1));
         std::fs::write(&f, &big).unwrap();
         for r in [load(&m, &f), load_for_reload(&m, &f)] {
