@@ -806,9 +806,9 @@ pub struct RouteKey {
 /// shows them.
 pub const ROUTE_KEYS: &[RouteKey] = &[
     RouteKey { key: "name", ty: RouteKeyType::String, default: "required", doc: "The route's name in logs and in the `route` label of the request metrics: 1 to 64 characters of A-Z a-z 0-9 _ . -, unique, not `default`." },
-    RouteKey { key: "path", ty: RouteKeyType::String, default: "required", doc: "The paths covered: a prefix by segment (`/payments` covers `/payments/42`, not `/paymentsx`); `{name}` matches one segment. Matched on the normalised, percent-decoded, lower-cased path." },
-    RouteKey { key: "methods", ty: RouteKeyType::Strings, default: "the top-level `methods`", doc: "The methods the route covers (and guards), case-insensitive. Safe methods and CONNECT are refused." },
-    RouteKey { key: "guard", ty: RouteKeyType::Bool, default: "true", doc: "false: the route's requests are passed through untouched (no key, no store)." },
+    RouteKey { key: "path", ty: RouteKeyType::String, default: "required", doc: "The paths covered: a prefix by segment (`/payments` covers `/payments/42`, not `/paymentsx` or `/payments.json`); `{name}` matches one segment; `*`, `?`, `#` and spaces are refused. Matched on the normalised, percent-decoded, lower-cased path." },
+    RouteKey { key: "methods", ty: RouteKeyType::Strings, default: "the top-level `methods`", doc: "The methods the route covers (and guards), case-insensitive; a request with another method falls to the next route or the default. Not empty; safe methods and CONNECT are refused." },
+    RouteKey { key: "guard", ty: RouteKeyType::Bool, default: "true", doc: "false: the route's requests are passed through untouched (no key, no store); a top-level `require_token` prefix still holds." },
     RouteKey { key: "require_key", ty: RouteKeyType::Bool, default: "the top-level `require_key`", doc: "Answer 400 `key-required` to a request without a key." },
     RouteKey { key: "require_token", ty: RouteKeyType::Bool, default: "false", doc: "The keys must be live submit tokens from `POST /_idem/tokens` (428 without, 403 unknown); the route's ttl must be at least `token_ttl`." },
     RouteKey { key: "ttl", ty: RouteKeyType::Duration, default: "the top-level `ttl`", doc: "How long a completed result is replayed; at least the lease." },
@@ -816,19 +816,19 @@ pub const ROUTE_KEYS: &[RouteKey] = &[
     RouteKey { key: "wait", ty: RouteKeyType::Duration, default: "the top-level `wait`", doc: "How long a duplicate waits for the original in flight; 0 answers 409 at once." },
     RouteKey { key: "max_body", ty: RouteKeyType::Size, default: "the top-level `max_body`", doc: "Largest request body, bytes (413 beyond); above 0, at most `max_buffered`." },
     RouteKey { key: "retention_limit", ty: RouteKeyType::Size, default: "the top-level `retention_limit`", doc: "Largest response body kept for replay, bytes." },
-    RouteKey { key: "scope_headers", ty: RouteKeyType::Strings, default: "the top-level `scope_header`", doc: "Request headers that identify the caller (keys are scoped by them); checked as `--scope-header`." },
-    RouteKey { key: "key_header", ty: RouteKeyType::String, default: "Idempotency-Key", doc: "The header the key is read from. Not with `key_json_pointer`." },
-    RouteKey { key: "key_json_pointer", ty: RouteKeyType::String, default: "none (the key header)", doc: "A JSON Pointer (RFC 6901) into the JSON body whose string or integer is the key, e.g. `/event_id`. Not with `key_header`." },
+    RouteKey { key: "scope_headers", ty: RouteKeyType::Strings, default: "the top-level `scope_header`", doc: "Request headers that identify the caller (keys are scoped by them); not empty; checked as `--scope-header`." },
+    RouteKey { key: "key_header", ty: RouteKeyType::String, default: "Idempotency-Key", doc: "The header the key is read from (no other header is). Not with `key_json_pointer`." },
+    RouteKey { key: "key_json_pointer", ty: RouteKeyType::String, default: "none (the key header)", doc: "A JSON Pointer (RFC 6901) into the body (any body that is I-JSON, RFC 7493) whose string or integer is the key, e.g. `/event_id`; `\"777\"` and `777` are the same key; a member that is not a key, or a body that is not I-JSON, gets 400. Not with `key_header`." },
     RouteKey { key: "fingerprint_method", ty: RouteKeyType::Bool, default: "true", doc: "The method counts in the request fingerprint." },
     RouteKey { key: "fingerprint_path", ty: RouteKeyType::Bool, default: "true", doc: "The normalised path counts (without it the route's name does)." },
     RouteKey { key: "fingerprint_query", ty: RouteKeyType::Bool, default: "true", doc: "The query counts." },
-    RouteKey { key: "fingerprint_ignore_query", ty: RouteKeyType::Strings, default: "[]", doc: "Query parameters left out of the fingerprint, by name." },
+    RouteKey { key: "fingerprint_ignore_query", ty: RouteKeyType::Strings, default: "[]", doc: "Query parameters left out of the fingerprint, by name (the query split at `&` and `;`)." },
     RouteKey { key: "fingerprint_headers", ty: RouteKeyType::Strings, default: "[]", doc: "Request headers that count besides Content-Type." },
     RouteKey { key: "fingerprint_body", ty: RouteKeyType::Bool, default: "true", doc: "The body counts." },
-    RouteKey { key: "fingerprint_exclude", ty: RouteKeyType::Strings, default: "[]", doc: "JSON Pointers (RFC 6901) of body members left out of the fingerprint (e.g. `/delivered_at`)." },
-    RouteKey { key: "fingerprint_include", ty: RouteKeyType::Strings, default: "[] (the whole body)", doc: "When set, only these JSON Pointers of the body count." },
+    RouteKey { key: "fingerprint_exclude", ty: RouteKeyType::Strings, default: "[]", doc: "JSON Pointers (RFC 6901) of body members left out of the fingerprint (e.g. `/delivered_at`); JSON bodies only (Content-Type application/json or */*+json)." },
+    RouteKey { key: "fingerprint_include", ty: RouteKeyType::Strings, default: "[] (the whole body)", doc: "When set, only these JSON Pointers of the body count; JSON bodies only (Content-Type application/json or */*+json)." },
     RouteKey { key: "status_policy", ty: RouteKeyType::Enum(&["default", "store-5xx"]), default: "default", doc: "Which statuses are stored: `default` (2xx-4xx stored except 408/409/425/429; 5xx released) or `store-5xx` (Stripe's: 5xx stored and replayed, 502/503 released, 504 held)." },
-    RouteKey { key: "statuses", ty: RouteKeyType::Statuses, default: "{}", doc: "Overrides on top of `status_policy`: a status (`\"504\"`) or a class (`\"5xx\"`) to `store`, `release` or `hold`; the exact status wins over its class." },
+    RouteKey { key: "statuses", ty: RouteKeyType::Statuses, default: "{}", doc: "Overrides on top of `status_policy`: a status (`\"504\"`) or a class (`\"5xx\"`) to `store`, `release` or `hold`; the exact status wins over its class; a 2xx cannot be released or held." },
 ];
 
 type RouteErr = (Option<std::ops::Range<usize>>, String);
@@ -1260,6 +1260,14 @@ pub fn schema() -> serde_json::Value {
     for fk in file_keys() {
         let mut p = match fk.kind {
             KeyKind::Flag => json!({ "type": "boolean" }),
+            // An empty array is refused where it would mean a
+            // non-empty default.
+            KeyKind::List if !fk.default.is_empty() => json!({
+                "anyOf": [
+                    { "type": "array", "items": { "type": "string" }, "minItems": 1 },
+                    { "type": "string", "description": "comma-separated" }
+                ]
+            }),
             KeyKind::List => json!({
                 "anyOf": [
                     { "type": "array", "items": { "type": "string" } },
@@ -1317,6 +1325,9 @@ pub fn schema() -> serde_json::Value {
             }
             RouteKeyType::Size => {
                 json!({ "type": ["string", "integer"], "examples": ["1MiB", 65536] })
+            }
+            RouteKeyType::Strings if ["methods", "scope_headers"].contains(&rk.key) => {
+                json!({ "type": "array", "items": { "type": "string" }, "minItems": 1 })
             }
             RouteKeyType::Strings => json!({ "type": "array", "items": { "type": "string" } }),
             RouteKeyType::Enum(values) => json!({ "enum": values }),
