@@ -12,7 +12,8 @@
 //! until two looks agree, at most [`SETTLE_TRIES`] times; a file still
 //! changing then is left for the next poll. A file that disappears or
 //! cannot be read is reported once (ERROR, counted as a failed reload, the
-//! gauge drops to 0) and reloaded when it is back.
+//! gauge drops to 0) and reloaded when it is back. Only a regular file is
+//! watched (not a pipe such as `--config <(…)`).
 //!
 //! A reload reads the file again and layers it under the same command line
 //! and environment as at start ([`crate::config_file::load_for_reload`],
@@ -96,6 +97,8 @@ impl std::fmt::Debug for ConfigSource {
 /// The file's metadata: what the poll compares before it reads the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Meta {
+    /// A regular file (not a pipe or a device): only those are watched.
+    file: bool,
     len: u64,
     modified: Option<SystemTime>,
     /// Device, inode, change time (s, ns): a file renamed over the old
@@ -109,6 +112,7 @@ impl Meta {
         #[cfg(unix)]
         use std::os::unix::fs::MetadataExt as _;
         Self {
+            file: m.is_file(),
             len: m.len(),
             modified: m.modified().ok(),
             #[cfg(unix)]
@@ -128,15 +132,25 @@ struct Stamp {
 
 /// Looks at the file (blocking I/O). When its metadata equal `last`'s,
 /// `last` is returned without reading the file; else at most
-/// [`MAX_CONFIG_FILE`] + 1 bytes are read and hashed. `Err`: why it cannot
-/// be opened or read.
+/// [`MAX_CONFIG_FILE`] + 1 bytes are read and hashed (a file that is not a
+/// regular one, such as a pipe, is not read: no hash). `Err`: why it
+/// cannot be opened or read.
 fn stamp(path: &Path, last: Option<&Stamp>) -> Result<Stamp, String> {
     use std::io::Read as _;
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let m = file.metadata().map_err(|e| e.to_string())?;
+    // The metadata first: opening a named pipe (`--config <(…)`) would
+    // wait for a writer. Such a file is never read again by the poll.
+    let m = std::fs::metadata(path).map_err(|e| e.to_string())?;
     if m.is_dir() {
         return Err("it is a directory".into());
     }
+    if !m.is_file() {
+        return Ok(Stamp {
+            meta: Meta::of(&m),
+            hash: None,
+        });
+    }
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let m = file.metadata().map_err(|e| e.to_string())?;
     let meta = Meta::of(&m);
     if let Some(last) = last.filter(|l| l.meta == meta) {
         return Ok(last.clone());
@@ -257,6 +271,14 @@ pub(crate) async fn run(
                     }
                 };
                 if !unreadable && last.as_ref() == Some(&now) {
+                    continue;
+                }
+                if !now.meta.file {
+                    // A pipe (`--config <(…)`) or a device is not watched:
+                    // it cannot be read twice, and opening a pipe would
+                    // wait for a writer.
+                    last = Some(now);
+                    unreadable = false;
                     continue;
                 }
                 let Some(settled) = settle(&path, now, &stop).await else {
