@@ -17,6 +17,12 @@
 //! - A changed route rule takes effect after a reload (`require_key` flips
 //!   so a keyless POST gets 400, then passes again): this one needs the
 //!   layer's real `IdempotencyLayer::reload`.
+//! - Files caught mid-write: an emptied file is refused on reload (the
+//!   routes stay); a file written in place in two parts is applied once,
+//!   whole. A file over 1 MiB is refused at start (exit 2) and on reload,
+//!   and requests are not held up meanwhile. A deleted file is reported
+//!   once (ERROR, gauge 0) and reloaded when it is back.
+//! - A reload that changes a route's scope names the route in a WARN.
 
 mod support;
 
@@ -155,8 +161,20 @@ fn check_shows_every_value_and_its_source() {
     assert!(
         default
             .lines()
-            .any(|l| l.starts_with("ttl") && l.contains("\"1h\"")),
+            .any(|l| l.starts_with("ttl") && l.contains("\"1h\"") && l.ends_with("# inherited")),
         "{default}"
+    );
+    // A key with no top-level setting shows the route key's own default.
+    assert!(
+        default
+            .lines()
+            .any(|l| l.starts_with("guard") && l.ends_with("# default")),
+        "{default}"
+    );
+    // The count says what it counts.
+    assert!(
+        out.contains("(first match wins): 3 routes + default:"),
+        "{out}"
     );
 }
 
@@ -186,6 +204,9 @@ fn check_refuses_bad_files_with_the_line() {
         ),
         ("upstream = \"http://127.0.0.1:3000\"\nttl = \"1h\n", "bad.toml:2:"),
         ("store = \"memory://\"\n", "--upstream or `upstream` in the config file is required"),
+        // An empty list is not the default in disguise.
+        ("upstream = \"http://127.0.0.1:3000\"\nscope_header = []\n", "bad.toml:2:16: `scope_header`: names no header"),
+        ("upstream = \"http://127.0.0.1:3000\"\nmethods = []\n", "bad.toml:2:11: `methods`: names no method"),
     ] {
         write(&f, text);
         let (code, out, err) = check(&f, &[], &[]);
@@ -347,6 +368,17 @@ async fn gateway_runs_from_a_file_only() {
     assert!(
         metrics.contains("idem_config_last_reload_success 1"),
         "{metrics}"
+    );
+    // The startup line names the file and the routes.
+    let log = std::fs::read_to_string(dir.path().join("gw.log")).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("idem gateway listening"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        line.contains(&format!("config_file={}", f.display()))
+            && line.contains("routes=1 + default"),
+        "{line}"
     );
     let _ = child.kill();
     let _ = child.wait();
@@ -664,4 +696,210 @@ async fn a_reload_that_needs_the_token_endpoint_is_refused() {
         .unwrap()
         .status();
     assert_eq!(status, 201, "the running rules stay: no token needed");
+}
+
+/// Waits until `needle` shows in the log; the log.
+async fn log_shows(gw: &GatewayProc, needle: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let logs = gw.logs();
+        if logs.contains(needle) {
+            return logs;
+        }
+        assert!(Instant::now() < deadline, "no {needle:?} in:\n{logs}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The status of a keyless POST to `/pay`.
+async fn keyless_status(c: &reqwest::Client, gw: &GatewayProc) -> u16 {
+    c.post(gw.url("/pay?ms=1"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+/// `: > idem.toml` (or an editor's in-place write caught at its start):
+/// the poll refuses the empty file, the routes stay. A file written in
+/// place in two parts, 100 ms apart, is applied once, whole: the poll
+/// waits until two looks 250 ms apart agree.
+#[tokio::test]
+async fn a_file_caught_mid_write_is_not_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let f = dir.path().join("idem.toml");
+    write(&f, &config_text(&up.url, true, ""));
+    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
+    let c = reqwest::Client::new();
+    reload_ready(&c, &gw).await;
+    assert_eq!(
+        keyless_status(&c, &gw).await,
+        400,
+        "the route requires a key"
+    );
+
+    write(&f, "");
+    let m = reloads_reach(&c, &gw, 1).await;
+    assert_eq!(m, (0, 1, Some(0)), "{}", gw.logs());
+    assert!(
+        gw.logs().contains("the configuration file is empty"),
+        "{}",
+        gw.logs()
+    );
+    assert_eq!(keyless_status(&c, &gw).await, 400, "the routes stay");
+
+    // In place, in two parts: the first part alone is a valid file
+    // without the route (a keyless POST would pass).
+    let whole = config_text(&up.url, true, "wait = \"10ms\"");
+    let cut = whole.find("[[routes]]").unwrap();
+    {
+        use std::io::Write as _;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&f)
+            .unwrap();
+        file.write_all(&whole.as_bytes()[..cut]).unwrap();
+        file.sync_all().unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        file.write_all(&whole.as_bytes()[cut..]).unwrap();
+    }
+    let m = reloads_reach(&c, &gw, 2).await;
+    assert_eq!(m, (1, 1, Some(1)), "{}", gw.logs());
+    // No second reload comes later: the half file was never applied.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        reload_metrics(&c, &gw).await,
+        (1, 1, Some(1)),
+        "{}",
+        gw.logs()
+    );
+    assert!(gw.logs().contains("routes=1"), "{}", gw.logs());
+    assert_eq!(keyless_status(&c, &gw).await, 400, "the route is there");
+}
+
+/// A file over 1 MiB: refused at start with exit status 2, and on reload
+/// without holding up requests.
+#[tokio::test]
+async fn a_file_over_1_mib_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let f = dir.path().join("idem.toml");
+    let mut big = config_text(&up.url, false, "");
+    big.push_str(&"# padding padding padding padding padding padding padding\n".repeat(20_000));
+    assert!(big.len() > 1 << 20);
+    write(&f, &big);
+    let out = idem()
+        .args(["gateway", "--config"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("larger than 1048576 bytes"), "{err}");
+    let (code, _, err) = check(&f, &[], &[]);
+    assert_eq!(code, 2, "{err}");
+
+    write(&f, &config_text(&up.url, false, ""));
+    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
+    let c = reqwest::Client::new();
+    reload_ready(&c, &gw).await;
+    let mut huge = config_text(&up.url, false, "");
+    huge.push_str(&"# padding padding padding padding padding padding padding\n".repeat(400_000));
+    write(&f, &huge);
+    // Requests go on meanwhile (a 24 MB file once held one up for 35 s).
+    let started = Instant::now();
+    let mut i = 0;
+    while started.elapsed() < Duration::from_secs(3) {
+        i += 1;
+        let t = Instant::now();
+        let g = pay(&c, &gw.url("/pay?ms=1"), &format!("big-{i}"))
+            .await
+            .unwrap();
+        assert_eq!((g.status, g.replayed), (201, false));
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "a request waited {:?}",
+            t.elapsed()
+        );
+    }
+    let m = reloads_reach(&c, &gw, 1).await;
+    assert_eq!(m, (0, 1, Some(0)), "{}", gw.logs());
+    assert!(
+        gw.logs().contains("larger than 1048576 bytes"),
+        "{}",
+        gw.logs()
+    );
+}
+
+/// A deleted configuration file: one ERROR, the gauge 0, one failed
+/// reload counted (not one a second); reloaded when it is back.
+#[tokio::test]
+async fn a_deleted_file_is_reported_once_and_reloaded_when_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let f = dir.path().join("idem.toml");
+    write(&f, &config_text(&up.url, false, ""));
+    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
+    let c = reqwest::Client::new();
+    reload_ready(&c, &gw).await;
+    std::fs::remove_file(&f).unwrap();
+    let m = reloads_reach(&c, &gw, 1).await;
+    assert_eq!(m, (0, 1, Some(0)), "{}", gw.logs());
+    let logs = log_shows(&gw, "cannot be read").await;
+    let line = logs.lines().find(|l| l.contains("cannot be read")).unwrap();
+    assert!(
+        line.contains("ERROR") && line.contains("idem.toml"),
+        "{line}"
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        reload_metrics(&c, &gw).await,
+        (0, 1, Some(0)),
+        "reported once"
+    );
+    assert_eq!(gw.logs().matches("cannot be read").count(), 1);
+    assert_eq!(keyless_status(&c, &gw).await, 201, "the running rules stay");
+    // Back (with another rule): reloaded, the gauge 1 again.
+    write(&f, &config_text(&up.url, true, ""));
+    let m = reloads_reach(&c, &gw, 2).await;
+    assert_eq!(m, (1, 1, Some(1)), "{}", gw.logs());
+    assert!(gw.logs().contains("file readable again"), "{}", gw.logs());
+    assert_eq!(keyless_status(&c, &gw).await, 400);
+}
+
+/// A reload that changes a route's `scope_headers` names the route in a
+/// WARN: retries of requests stored before are not recognised.
+#[tokio::test]
+async fn a_reload_that_rescopes_a_route_warns() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let f = dir.path().join("idem.toml");
+    let text = |scope: &str| {
+        format!(
+            "upstream = \"{}\"\nstore = \"memory://\"\n\n[[routes]]\nname = \"pay\"\npath = \"/pay\"\n\
+             scope_headers = [\"{scope}\"]\n\n[[routes]]\nname = \"other\"\npath = \"/other\"\n",
+            up.url
+        )
+    };
+    write(&f, &text("x-api-key"));
+    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
+    let c = reqwest::Client::new();
+    reload_ready(&c, &gw).await;
+    write(&f, &text("x-tenant"));
+    gw.signal("-HUP");
+    let m = reloads_reach(&c, &gw, 1).await;
+    assert_eq!(m.0, 1, "{}", gw.logs());
+    let logs = log_shows(&gw, "scope or the key source").await;
+    let warn = logs
+        .lines()
+        .find(|l| l.contains("scope or the key source"))
+        .unwrap();
+    assert!(
+        warn.contains("WARN") && warn.contains("routes=pay") && !warn.contains("other"),
+        "{warn}"
+    );
 }

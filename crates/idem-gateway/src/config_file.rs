@@ -131,7 +131,9 @@ pub fn file_keys() -> Vec<FileKey> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Source {
-    /// The built-in default.
+    /// The built-in default: the flag's, or, for a route key with no
+    /// top-level setting (`guard`, `key_header`, `fingerprint_*`,
+    /// `statuses` …), the route key's own ([`ROUTE_KEYS`]).
     Default,
     /// The file, at this line.
     File(usize),
@@ -141,7 +143,8 @@ pub enum Source {
     Flag,
     /// A route's own key, at this line.
     Route(usize),
-    /// A route's value taken from the top level.
+    /// A route's value taken from the top-level setting of that name
+    /// (`ttl`, `lease`, `methods`; `scope_headers` from `scope_header`).
     Inherited,
 }
 
@@ -216,10 +219,11 @@ impl fmt::Display for Report {
             )?;
         }
         writeln!(f)?;
+        let tables = self.routes.iter().filter(|r| r.line.is_some()).count();
         writeln!(
             f,
-            "# routes in match order (first match wins), {} in all:",
-            self.routes.len()
+            "# routes in match order (first match wins): {tables} {} + default:",
+            if tables == 1 { "route" } else { "routes" }
         )?;
         for r in &self.routes {
             writeln!(f)?;
@@ -255,18 +259,46 @@ fn quote(v: &str) -> String {
     }
 }
 
+/// The largest configuration file read: 1 MiB (1 048 576 bytes). A
+/// larger one is refused at start ([`LoadError::TooLarge`], exit status 2)
+/// and on reload (the running configuration stays), before it is parsed.
+/// Thousands of routes fit in a fraction of it.
+pub const MAX_CONFIG_FILE: u64 = 1 << 20;
+
 /// Why a configuration file could not be used.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LoadError {
-    /// The file cannot be read.
-    #[error("{path}: cannot read the configuration file: {source}")]
+    /// The file cannot be read (missing, no permission, a directory, not
+    /// UTF-8).
+    #[error("{}: cannot read the configuration file: {source}", path.display())]
     Read {
         /// The file.
         path: PathBuf,
         /// The I/O error.
         #[source]
         source: std::io::Error,
+    },
+    /// The file is larger than [`MAX_CONFIG_FILE`].
+    #[error(
+        "{}: the configuration file is larger than {} bytes (1 MiB), the most idem reads",
+        path.display(),
+        MAX_CONFIG_FILE
+    )]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+    },
+    /// On reload: the file holds no key, only whitespace and comments (a
+    /// file truncated, or caught half-written); [`load_for_reload`].
+    #[error(
+        "{}: the configuration file is empty (only whitespace or comments); a reload does not \
+         apply it. Write the file whole: a temporary file renamed over it",
+        path.display()
+    )]
+    Empty {
+        /// The file.
+        path: PathBuf,
     },
     /// A problem at a place in the file: TOML syntax, an unknown key, a
     /// value of the wrong type or one its parser refuses, a bad route.
@@ -350,11 +382,71 @@ pub struct Loaded {
 /// [`LoadError::Config`] when the settings do not work together (a bad
 /// route's error names it, at its line as [`LoadError::At`]).
 pub fn load(matches: &ArgMatches, path: &Path) -> Result<Loaded, LoadError> {
-    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+    let text = read(path)?;
+    load_str(matches, path, &text)
+}
+
+/// [`load`] as a reload does it: a file with no key (empty, or only
+/// whitespace and comments: truncated, or caught half-written) is refused
+/// with [`LoadError::Empty`] rather than applied as "every default, no
+/// route". Blocking file I/O: call it off the async workers
+/// (`tokio::task::spawn_blocking`).
+///
+/// # Errors
+/// As [`load`], and [`LoadError::Empty`].
+pub fn load_for_reload(matches: &ArgMatches, path: &Path) -> Result<Loaded, LoadError> {
+    let text = read(path)?;
+    if is_blank(&text) {
+        return Err(LoadError::Empty {
+            path: path.to_owned(),
+        });
+    }
+    load_str(matches, path, &text)
+}
+
+/// Whether a TOML text holds nothing but whitespace and comments (lines
+/// whose first non-blank character is `#`).
+pub fn is_blank(text: &str) -> bool {
+    text.lines().all(|l| {
+        let t = l.trim();
+        t.is_empty() || t.starts_with('#')
+    })
+}
+
+/// The file's text, read with a bound: at most [`MAX_CONFIG_FILE`] bytes
+/// (a larger file is refused without reading the rest), UTF-8.
+///
+/// # Errors
+/// [`LoadError::Read`] (cannot open or read it, not UTF-8),
+/// [`LoadError::TooLarge`].
+pub fn read(path: &Path) -> Result<String, LoadError> {
+    use std::io::Read as _;
+    let failed = |source| LoadError::Read {
         path: path.to_owned(),
         source,
-    })?;
-    load_str(matches, path, &text)
+    };
+    let file = std::fs::File::open(path).map_err(failed)?;
+    if file.metadata().map_err(failed)?.len() > MAX_CONFIG_FILE {
+        return Err(LoadError::TooLarge {
+            path: path.to_owned(),
+        });
+    }
+    let mut bytes = Vec::new();
+    // One byte more than the limit: a file that grew since is seen.
+    file.take(MAX_CONFIG_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(failed)?;
+    if bytes.len() as u64 > MAX_CONFIG_FILE {
+        return Err(LoadError::TooLarge {
+            path: path.to_owned(),
+        });
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        failed(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not UTF-8 (TOML files are UTF-8): {e}"),
+        ))
+    })
 }
 
 /// [`load`] for a file's text already read (`path` names it in errors).
@@ -401,6 +493,23 @@ pub fn load_str(matches: &ArgMatches, path: &Path, text: &str) -> Result<Loaded,
             return Err(at(k.span(), hint));
         };
         let values = flag_values(fk, v).map_err(|m| at(v.span(), format!("`{name}`: {m}")))?;
+        if fk.kind == KeyKind::List && values.is_empty() && !fk.default.is_empty() {
+            // An empty array would leave the flag unset, so its default
+            // would apply: `scope_header = []` would scope by
+            // authorization. Refused, as a route's empty list is.
+            let what = match fk.key.as_str() {
+                "scope_header" => "names no header",
+                "methods" => "names no method",
+                _ => "is empty",
+            };
+            return Err(at(
+                v.span(),
+                format!(
+                    "`{name}`: {what} (an empty array would mean the default, {}); leave the key out for the default",
+                    fk.default.join(",")
+                ),
+            ));
+        }
         if fk.kind != KeyKind::Flag {
             // The flag's own parser, on a command of that flag alone
             // (without its variable, so only the file's value is judged).
@@ -697,9 +806,9 @@ pub struct RouteKey {
 /// shows them.
 pub const ROUTE_KEYS: &[RouteKey] = &[
     RouteKey { key: "name", ty: RouteKeyType::String, default: "required", doc: "The route's name in logs and in the `route` label of the request metrics: 1 to 64 characters of A-Z a-z 0-9 _ . -, unique, not `default`." },
-    RouteKey { key: "path", ty: RouteKeyType::String, default: "required", doc: "The paths covered: a prefix by segment (`/payments` covers `/payments/42`, not `/paymentsx`); `{name}` matches one segment. Matched on the normalised, percent-decoded, lower-cased path." },
-    RouteKey { key: "methods", ty: RouteKeyType::Strings, default: "the top-level `methods`", doc: "The methods the route covers (and guards), case-insensitive. Safe methods and CONNECT are refused." },
-    RouteKey { key: "guard", ty: RouteKeyType::Bool, default: "true", doc: "false: the route's requests are passed through untouched (no key, no store)." },
+    RouteKey { key: "path", ty: RouteKeyType::String, default: "required", doc: "The paths covered: a prefix by segment (`/payments` covers `/payments/42`, not `/paymentsx` or `/payments.json`); `{name}` matches one segment; `*`, `?`, `#` and spaces are refused. Matched on the normalised, percent-decoded, lower-cased path." },
+    RouteKey { key: "methods", ty: RouteKeyType::Strings, default: "the top-level `methods`", doc: "The methods the route covers (and guards), case-insensitive; a request with another method falls to the next route or the default. Not empty; safe methods and CONNECT are refused." },
+    RouteKey { key: "guard", ty: RouteKeyType::Bool, default: "true", doc: "false: the route's requests are passed through untouched (no key, no store); a top-level `require_token` prefix still holds." },
     RouteKey { key: "require_key", ty: RouteKeyType::Bool, default: "the top-level `require_key`", doc: "Answer 400 `key-required` to a request without a key." },
     RouteKey { key: "require_token", ty: RouteKeyType::Bool, default: "false", doc: "The keys must be live submit tokens from `POST /_idem/tokens` (428 without, 403 unknown); the route's ttl must be at least `token_ttl`." },
     RouteKey { key: "ttl", ty: RouteKeyType::Duration, default: "the top-level `ttl`", doc: "How long a completed result is replayed; at least the lease." },
@@ -707,19 +816,19 @@ pub const ROUTE_KEYS: &[RouteKey] = &[
     RouteKey { key: "wait", ty: RouteKeyType::Duration, default: "the top-level `wait`", doc: "How long a duplicate waits for the original in flight; 0 answers 409 at once." },
     RouteKey { key: "max_body", ty: RouteKeyType::Size, default: "the top-level `max_body`", doc: "Largest request body, bytes (413 beyond); above 0, at most `max_buffered`." },
     RouteKey { key: "retention_limit", ty: RouteKeyType::Size, default: "the top-level `retention_limit`", doc: "Largest response body kept for replay, bytes." },
-    RouteKey { key: "scope_headers", ty: RouteKeyType::Strings, default: "the top-level `scope_header`", doc: "Request headers that identify the caller (keys are scoped by them); checked as `--scope-header`." },
-    RouteKey { key: "key_header", ty: RouteKeyType::String, default: "Idempotency-Key", doc: "The header the key is read from. Not with `key_json_pointer`." },
-    RouteKey { key: "key_json_pointer", ty: RouteKeyType::String, default: "none (the key header)", doc: "A JSON Pointer (RFC 6901) into the JSON body whose string or integer is the key, e.g. `/event_id`. Not with `key_header`." },
+    RouteKey { key: "scope_headers", ty: RouteKeyType::Strings, default: "the top-level `scope_header`", doc: "Request headers that identify the caller (keys are scoped by them); not empty; checked as `--scope-header`." },
+    RouteKey { key: "key_header", ty: RouteKeyType::String, default: "Idempotency-Key", doc: "The header the key is read from (no other header is). Not with `key_json_pointer`." },
+    RouteKey { key: "key_json_pointer", ty: RouteKeyType::String, default: "none (the key header)", doc: "A JSON Pointer (RFC 6901) into the body (any body that is I-JSON, RFC 7493) whose string or integer is the key, e.g. `/event_id`; `\"777\"` and `777` are the same key; a member that is not a key, or a body that is not I-JSON, gets 400. Not with `key_header`." },
     RouteKey { key: "fingerprint_method", ty: RouteKeyType::Bool, default: "true", doc: "The method counts in the request fingerprint." },
     RouteKey { key: "fingerprint_path", ty: RouteKeyType::Bool, default: "true", doc: "The normalised path counts (without it the route's name does)." },
     RouteKey { key: "fingerprint_query", ty: RouteKeyType::Bool, default: "true", doc: "The query counts." },
-    RouteKey { key: "fingerprint_ignore_query", ty: RouteKeyType::Strings, default: "[]", doc: "Query parameters left out of the fingerprint, by name." },
+    RouteKey { key: "fingerprint_ignore_query", ty: RouteKeyType::Strings, default: "[]", doc: "Query parameters left out of the fingerprint, by name (the query split at `&` and `;`)." },
     RouteKey { key: "fingerprint_headers", ty: RouteKeyType::Strings, default: "[]", doc: "Request headers that count besides Content-Type." },
     RouteKey { key: "fingerprint_body", ty: RouteKeyType::Bool, default: "true", doc: "The body counts." },
-    RouteKey { key: "fingerprint_exclude", ty: RouteKeyType::Strings, default: "[]", doc: "JSON Pointers (RFC 6901) of body members left out of the fingerprint (e.g. `/delivered_at`)." },
-    RouteKey { key: "fingerprint_include", ty: RouteKeyType::Strings, default: "[] (the whole body)", doc: "When set, only these JSON Pointers of the body count." },
+    RouteKey { key: "fingerprint_exclude", ty: RouteKeyType::Strings, default: "[]", doc: "JSON Pointers (RFC 6901) of body members left out of the fingerprint (e.g. `/delivered_at`); JSON bodies only (Content-Type application/json or */*+json)." },
+    RouteKey { key: "fingerprint_include", ty: RouteKeyType::Strings, default: "[] (the whole body)", doc: "When set, only these JSON Pointers of the body count; JSON bodies only (Content-Type application/json or */*+json)." },
     RouteKey { key: "status_policy", ty: RouteKeyType::Enum(&["default", "store-5xx"]), default: "default", doc: "Which statuses are stored: `default` (2xx-4xx stored except 408/409/425/429; 5xx released) or `store-5xx` (Stripe's: 5xx stored and replayed, 502/503 released, 504 held)." },
-    RouteKey { key: "statuses", ty: RouteKeyType::Statuses, default: "{}", doc: "Overrides on top of `status_policy`: a status (`\"504\"`) or a class (`\"5xx\"`) to `store`, `release` or `hold`; the exact status wins over its class." },
+    RouteKey { key: "statuses", ty: RouteKeyType::Statuses, default: "{}", doc: "Overrides on top of `status_policy`: a status (`\"504\"`) or a class (`\"5xx\"`) to `store`, `release` or `hold`; the exact status wins over its class; a 2xx cannot be released or held." },
 ];
 
 type RouteErr = (Option<std::ops::Range<usize>>, String);
@@ -1024,16 +1133,27 @@ fn default_report(layer: &Options) -> RouteReport {
         require_token: false,
         options: layer.clone(),
     };
-    let mut settings = route_settings(&route, &BTreeMap::new());
-    for s in &mut settings {
-        s.source = Source::Inherited;
-    }
+    let settings = route_settings(&route, &BTreeMap::new());
     RouteReport {
         name: route.name,
         line: None,
         settings,
     }
 }
+
+/// The route keys whose default is a top-level setting (`scope_headers`
+/// takes `scope_header`): a route that does not set them shows them
+/// `inherited`; the other keys it does not set show `default`.
+const INHERITED: &[&str] = &[
+    "methods",
+    "require_key",
+    "ttl",
+    "lease",
+    "wait",
+    "max_body",
+    "retention_limit",
+    "scope_headers",
+];
 
 /// Every effective value of a route; `given` maps the keys its table set
 /// to their lines (sources `route:LINE`).
@@ -1111,7 +1231,8 @@ fn route_settings(route: &Route, given: &BTreeMap<String, usize>) -> Vec<Setting
                 None if k == "statuses" && given.contains_key("status_policy") => {
                     Source::Route(given["status_policy"])
                 }
-                None => Source::Inherited,
+                None if INHERITED.contains(&k) => Source::Inherited,
+                None => Source::Default,
             };
             Setting {
                 key: k.to_owned(),
@@ -1139,6 +1260,14 @@ pub fn schema() -> serde_json::Value {
     for fk in file_keys() {
         let mut p = match fk.kind {
             KeyKind::Flag => json!({ "type": "boolean" }),
+            // An empty array is refused where it would mean a
+            // non-empty default.
+            KeyKind::List if !fk.default.is_empty() => json!({
+                "anyOf": [
+                    { "type": "array", "items": { "type": "string" }, "minItems": 1 },
+                    { "type": "string", "description": "comma-separated" }
+                ]
+            }),
             KeyKind::List => json!({
                 "anyOf": [
                     { "type": "array", "items": { "type": "string" } },
@@ -1196,6 +1325,9 @@ pub fn schema() -> serde_json::Value {
             }
             RouteKeyType::Size => {
                 json!({ "type": ["string", "integer"], "examples": ["1MiB", 65536] })
+            }
+            RouteKeyType::Strings if ["methods", "scope_headers"].contains(&rk.key) => {
+                json!({ "type": "array", "items": { "type": "string" }, "minItems": 1 })
             }
             RouteKeyType::Strings => json!({ "type": "array", "items": { "type": "string" } }),
             RouteKeyType::Enum(values) => json!({ "enum": values }),
@@ -1312,6 +1444,8 @@ mod tests {
             ("upstream = \"http://x:1\"\n[[routes]]\nname = \"a\"\npath = \"/a\"\nkey_header = \"k\"\nkey_json_pointer = \"/k\"\n", 6, "exclude each other"),
             ("upstream = \"http://x:1\"\n[[routes]]\nname = \"a\"\npath = \"/a\"\nstatuses = { \"6yy\" = \"hold\" }\n", 5, "6yy"),
             ("upstream = \"http://x:1\"\nttl = [\n", 2, "TOML"),
+            ("upstream = \"http://x:1\"\nscope_header = []\n", 2, "`scope_header`: names no header"),
+            ("upstream = \"http://x:1\"\n\nmethods = []\n", 3, "`methods`: names no method"),
         ];
         for (text, line, needle) in cases {
             match load_text(&["--store", "memory://"], text) {
@@ -1348,6 +1482,61 @@ mod tests {
             ),
             Err(LoadError::Config(ConfigError::LeaseTooShort { .. }))
         ));
+    }
+
+    #[test]
+    fn an_empty_list_whose_default_is_none_is_none() {
+        let l = load_text(
+            &["--store", "memory://"],
+            "upstream = \"http://x:1\"\ntrusted_proxy = []\nrequire_token = []\n",
+        )
+        .unwrap();
+        assert_eq!(l.report.value("trusted_proxy"), Some(""));
+        assert!(l.config.layer.require_token.is_empty());
+    }
+
+    #[test]
+    fn a_reload_refuses_an_empty_file_and_any_load_a_large_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("idem.toml");
+        let m = matches(&["--upstream", "http://x:1", "--store", "memory://"]);
+        for blank in ["", "  \n\t\n", "# only a comment\n\n   # another\n"] {
+            std::fs::write(&f, blank).unwrap();
+            assert!(is_blank(blank));
+            // The start takes it (the flags say everything) …
+            load(&m, &f).unwrap();
+            // … a reload does not.
+            match load_for_reload(&m, &f) {
+                Err(e @ LoadError::Empty { .. }) => {
+                    assert!(
+                        e.to_string().contains("the configuration file is empty"),
+                        "{e}"
+                    )
+                }
+                other => panic!("{blank:?}: {other:?}"),
+            }
+        }
+        assert!(!is_blank("# c\nttl = \"1h\"\n"));
+        std::fs::write(&f, "ttl = \"1h\"\n").unwrap();
+        load_for_reload(&m, &f).unwrap();
+        // Over the limit, at start and on reload, without parsing.
+        let mut big = String::from("ttl = \"1h\"\n");
+        big.push_str(&"# padding\n".repeat((MAX_CONFIG_FILE as usize) / 10 + 1));
+        std::fs::write(&f, &big).unwrap();
+        for r in [load(&m, &f), load_for_reload(&m, &f)] {
+            match r {
+                Err(e @ LoadError::TooLarge { .. }) => {
+                    assert!(e.to_string().contains("larger than 1048576 bytes"), "{e}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // Exactly the limit is read.
+        big.truncate(MAX_CONFIG_FILE as usize);
+        std::fs::write(&f, &big).unwrap();
+        assert_eq!(read(&f).unwrap().len() as u64, MAX_CONFIG_FILE);
+        std::fs::write(&f, [0xff, 0xfe]).unwrap();
+        assert!(matches!(read(&f), Err(LoadError::Read { .. })));
     }
 
     #[test]
@@ -1414,7 +1603,23 @@ require_token = true
         assert_eq!(l.report.routes[0].line, Some(6));
         let shown = l.report.to_string();
         assert!(shown.contains("route:12"), "{shown}");
-        assert!(shown.contains("inherited"), "{shown}");
+        assert!(shown.contains("3 routes + default"), "{shown}");
+        // A key with a top-level setting is inherited; one without has
+        // the route key's default.
+        let source = |route: usize, key: &str| {
+            l.report.routes[route]
+                .settings
+                .iter()
+                .find(|s| s.key == key)
+                .unwrap()
+                .source
+                .clone()
+        };
+        assert_eq!(source(1, "lease"), Source::Inherited);
+        assert_eq!(source(1, "scope_headers"), Source::Inherited);
+        assert_eq!(source(1, "key_header"), Source::Default);
+        assert_eq!(source(3, "guard"), Source::Default);
+        assert_eq!(source(3, "ttl"), Source::Inherited);
     }
 
     #[cfg(feature = "postgres")]

@@ -1,20 +1,37 @@
 //! Hot reload of the configuration file: on SIGHUP, and when the file
-//! changes (its size, modification time and SHA-256 are read every second,
-//! which also sees editors that write a new file and rename it over the
-//! old one).
+//! changes.
+//!
+//! The poll ([`POLL_INTERVAL`], every second) opens the file and reads its
+//! metadata (size, modification time; on Unix also the inode and the
+//! change time, so an editor's or a Kubernetes ConfigMap's rename over the
+//! old file is seen); only when one of these moved is the file read
+//! (at most [`MAX_CONFIG_FILE`] bytes) and hashed (SHA-256), so an
+//! unchanged file costs one `open` and one `fstat` a second. A rewrite of
+//! the same content is no reload. A change is applied only once the file
+//! has stopped changing: it is looked at again every [`SETTLE`] (250 ms)
+//! until two looks agree, at most [`SETTLE_TRIES`] times; a file still
+//! changing then is left for the next poll. A file that disappears or
+//! cannot be read is reported once (ERROR, counted as a failed reload, the
+//! gauge drops to 0) and reloaded when it is back. Only a regular file is
+//! watched (not a pipe such as `--config <(…)`).
 //!
 //! A reload reads the file again and layers it under the same command line
-//! and environment as at start ([`crate::config_file::load`]), then
-//! validates the whole configuration. A good one replaces the routes and
-//! the per-request settings of the layer ([`RELOADABLE`];
-//! [`idem_http::IdempotencyLayer::reload`]): requests in flight finish
-//! under the rules they started with, and no connection is dropped; INFO
-//! `configuration reloaded` with the route count. A bad one changes
-//! nothing: ERROR `configuration reload failed` with the reason (and the
-//! line); `/_idem/ready` is not affected. Settings that need a restart (the
-//! listener, the store, the upstream, the admin listener, limits and
-//! timeouts of the gateway itself: every top-level key not in
-//! [`RELOADABLE`]) that changed are named in a WARN and not applied.
+//! and environment as at start ([`crate::config_file::load_for_reload`],
+//! on a blocking thread, off the async workers), then validates the whole
+//! configuration. A file with no key (empty, or only whitespace and
+//! comments: truncated, or caught half-written) is refused. A good one
+//! replaces the routes and the per-request settings of the layer
+//! ([`RELOADABLE`]; [`idem_http::IdempotencyLayer::reload`]): requests in
+//! flight finish under the rules they started with, and no connection is
+//! dropped; INFO `configuration reloaded` with `routes` (the `[[routes]]`
+//! tables, without the implicit `default`). Routes whose scope or key
+//! source changed are named in a WARN (retries of requests stored before
+//! are not recognised). A bad one changes nothing: ERROR `configuration
+//! reload failed` with the reason (and the line); `/_idem/ready` is not
+//! affected. Settings that need a restart (the listener, the store, the
+//! upstream, the admin listener, limits and timeouts of the gateway itself:
+//! every top-level key not in [`RELOADABLE`]) that changed are named in a
+//! WARN and not applied; the reload still counts as applied.
 //!
 //! Metrics: [`RELOADS`] `idem_config_reloads_total{result="ok"|"error"}`
 //! and [`LAST_RELOAD_SUCCESS`] `idem_config_last_reload_success` (1 or 0).
@@ -27,7 +44,7 @@ use idem_http::IdempotencyLayer;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
-use crate::config_file::{load, Report};
+use crate::config_file::{load_for_reload, Report, MAX_CONFIG_FILE};
 
 /// Counter of reloads by result, label `result` = `ok` | `error`.
 pub const RELOADS: &str = "idem_config_reloads_total";
@@ -36,6 +53,12 @@ pub const RELOADS: &str = "idem_config_reloads_total";
 pub const LAST_RELOAD_SUCCESS: &str = "idem_config_last_reload_success";
 /// How often the file is looked at: every 1 s.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a changed file must stay the same before the poll applies
+/// it: 250 ms between two looks that must agree.
+pub const SETTLE: Duration = Duration::from_millis(250);
+/// How many times a changed file is looked at again, [`SETTLE`] apart,
+/// before the poll gives up until its next round: 8 (2 s).
+pub const SETTLE_TRIES: u32 = 8;
 
 /// The top-level keys a reload applies (the layer's per-request settings,
 /// the defaults of every route); the others need a restart.
@@ -71,22 +94,84 @@ impl std::fmt::Debug for ConfigSource {
     }
 }
 
+/// The file's metadata: what the poll compares before it reads the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Meta {
+    /// A regular file (not a pipe or a device): only those are watched.
+    file: bool,
+    len: u64,
+    modified: Option<SystemTime>,
+    /// Device, inode, change time (s, ns): a file renamed over the old
+    /// one, or written with its modification time set back, is seen.
+    #[cfg(unix)]
+    id: (u64, u64, i64, i64),
+}
+
+impl Meta {
+    fn of(m: &std::fs::Metadata) -> Self {
+        #[cfg(unix)]
+        use std::os::unix::fs::MetadataExt as _;
+        Self {
+            file: m.is_file(),
+            len: m.len(),
+            modified: m.modified().ok(),
+            #[cfg(unix)]
+            id: (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()),
+        }
+    }
+}
+
 /// What the file looked like when last read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Stamp {
-    len: u64,
-    modified: Option<SystemTime>,
-    hash: [u8; 32],
+    meta: Meta,
+    /// SHA-256 of the content; `None` for a file larger than
+    /// [`MAX_CONFIG_FILE`] (not read: the reload refuses it).
+    hash: Option<[u8; 32]>,
 }
 
-fn stamp(path: &Path) -> Option<Stamp> {
-    let meta = std::fs::metadata(path).ok()?;
-    let bytes = std::fs::read(path).ok()?;
-    Some(Stamp {
-        len: meta.len(),
-        modified: meta.modified().ok(),
-        hash: Sha256::digest(&bytes).into(),
-    })
+/// Looks at the file (blocking I/O). When its metadata equal `last`'s,
+/// `last` is returned without reading the file; else at most
+/// [`MAX_CONFIG_FILE`] + 1 bytes are read and hashed (a file that is not a
+/// regular one, such as a pipe, is not read: no hash). `Err`: why it
+/// cannot be opened or read.
+fn stamp(path: &Path, last: Option<&Stamp>) -> Result<Stamp, String> {
+    use std::io::Read as _;
+    // The metadata first: opening a named pipe (`--config <(…)`) would
+    // wait for a writer. Such a file is never read again by the poll.
+    let m = std::fs::metadata(path).map_err(|e| e.to_string())?;
+    if m.is_dir() {
+        return Err("it is a directory".into());
+    }
+    if !m.is_file() {
+        return Ok(Stamp {
+            meta: Meta::of(&m),
+            hash: None,
+        });
+    }
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let m = file.metadata().map_err(|e| e.to_string())?;
+    let meta = Meta::of(&m);
+    if let Some(last) = last.filter(|l| l.meta == meta) {
+        return Ok(last.clone());
+    }
+    if meta.len > MAX_CONFIG_FILE {
+        return Ok(Stamp { meta, hash: None });
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_CONFIG_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    let hash = (bytes.len() as u64 <= MAX_CONFIG_FILE).then(|| Sha256::digest(&bytes).into());
+    Ok(Stamp { meta, hash })
+}
+
+/// [`stamp`] on a blocking thread.
+async fn look(path: &Path, last: Option<&Stamp>) -> Result<Stamp, String> {
+    let (path, last) = (path.to_owned(), last.cloned());
+    tokio::task::spawn_blocking(move || stamp(&path, last.as_ref()))
+        .await
+        .unwrap_or_else(|e| Err(format!("the look at the file failed: {e}")))
 }
 
 /// Why a reload happened.
@@ -94,6 +179,8 @@ fn stamp(path: &Path) -> Option<Stamp> {
 enum Trigger {
     Signal,
     Changed,
+    /// The file can be read again after it could not.
+    Back,
 }
 
 impl Trigger {
@@ -101,6 +188,7 @@ impl Trigger {
         match self {
             Self::Signal => "SIGHUP",
             Self::Changed => "file changed",
+            Self::Back => "file readable again",
         }
     }
 }
@@ -141,7 +229,12 @@ pub(crate) async fn run(
     // After the handler: once the metrics show, SIGHUP reloads (and no
     // longer ends the process).
     register_metrics();
-    let mut last = stamp(&source.path);
+    let path = source.path.clone();
+    // What the last reload (or the start) read; `None` while the file
+    // cannot be read.
+    let mut last = look(&path, None).await.ok();
+    // Whether that was reported (once per disappearance).
+    let mut unreadable = false;
     let mut tick = tokio::time::interval(POLL_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -158,30 +251,102 @@ pub(crate) async fn run(
         let hangup = std::future::pending::<()>();
         let trigger = tokio::select! {
             () = stop.cancelled() => return,
-            () = hangup => Trigger::Signal,
+            () = hangup => {
+                last = look(&path, None).await.ok();
+                // A file that cannot be read fails this reload, which
+                // reports it; the poll does not report it again.
+                unreadable = last.is_none();
+                Trigger::Signal
+            }
             _ = tick.tick() => {
-                let now = stamp(&source.path);
-                if now.is_none() || now == last {
+                let now = match look(&path, last.as_ref()).await {
+                    Ok(now) => now,
+                    Err(reason) => {
+                        if !unreadable {
+                            unreadable = true;
+                            unreadable_file(&path, &reason);
+                        }
+                        last = None;
+                        continue;
+                    }
+                };
+                if !unreadable && last.as_ref() == Some(&now) {
                     continue;
                 }
-                // Only the content counts: a touch without a change is no reload.
-                if now.as_ref().map(|s| s.hash) == last.as_ref().map(|s| s.hash) {
-                    last = now;
+                if !now.meta.file {
+                    // A pipe (`--config <(…)`) or a device is not watched:
+                    // it cannot be read twice, and opening a pipe would
+                    // wait for a writer.
+                    last = Some(now);
+                    unreadable = false;
                     continue;
                 }
-                last = now;
-                Trigger::Changed
+                let Some(settled) = settle(&path, now, &stop).await else {
+                    if stop.is_cancelled() {
+                        return;
+                    }
+                    continue;
+                };
+                let back = std::mem::take(&mut unreadable);
+                let same = last.as_ref().is_some_and(|l| l.hash.is_some() && l.hash == settled.hash);
+                last = Some(settled);
+                if back {
+                    Trigger::Back
+                } else if same {
+                    // Only the content counts: a touch without a change is no reload.
+                    continue;
+                } else {
+                    Trigger::Changed
+                }
             }
         };
-        if matches!(trigger, Trigger::Signal) {
-            last = stamp(&source.path);
-        }
-        reload_once(&source, (&layer, tokens_served), trigger);
+        reload_once(&source, (&layer, tokens_served), trigger).await;
     }
 }
 
-/// One reload; the outcome is logged and counted.
-fn reload_once(
+/// Looks at a changed file again every [`SETTLE`] until two looks agree
+/// (content and metadata), at most [`SETTLE_TRIES`] times: a file being
+/// written in place is applied once its writer is done. `None`: it is
+/// still changing, cannot be read any more (the next poll reports it), or
+/// `stop` was cancelled.
+async fn settle(path: &Path, mut seen: Stamp, stop: &CancellationToken) -> Option<Stamp> {
+    for _ in 0..SETTLE_TRIES {
+        tokio::select! {
+            () = stop.cancelled() => return None,
+            () = tokio::time::sleep(SETTLE) => {}
+        }
+        // Read again whatever the metadata say: a write within the same
+        // clock tick keeps the size and the modification time.
+        let again = look(path, None).await.ok()?;
+        if again == seen {
+            return Some(again);
+        }
+        seen = again;
+    }
+    tracing::debug!(
+        target: "idem",
+        file = %path.display(),
+        "the configuration file is still changing; looked at again at the next poll"
+    );
+    None
+}
+
+/// Reports a configuration file that cannot be read (once, until it is
+/// back): ERROR, a failed reload, the gauge 0.
+fn unreadable_file(path: &Path, reason: &str) {
+    tracing::error!(
+        target: "idem",
+        file = %path.display(),
+        error = %reason,
+        "the configuration file cannot be read (deleted, moved or not readable); the running configuration stays and the file is reloaded when it is back"
+    );
+    metrics::counter!(RELOADS, "result" => "error").increment(1);
+    metrics::gauge!(LAST_RELOAD_SUCCESS).set(0.0);
+}
+
+/// One reload (the file read and parsed on a blocking thread); the
+/// outcome is logged and counted.
+async fn reload_once(
     source: &ConfigSource,
     (layer, tokens_served): (&IdempotencyLayer, bool),
     trigger: Trigger,
@@ -198,9 +363,14 @@ fn reload_once(
         metrics::counter!(RELOADS, "result" => "error").increment(1);
         metrics::gauge!(LAST_RELOAD_SUCCESS).set(0.0);
     };
-    let loaded = match load(&source.matches, &source.path) {
-        Ok(l) => l,
-        Err(e) => return fail(crate::config_file::error_chain(&e)),
+    let loaded = {
+        let (matches, file) = (source.matches.clone(), source.path.clone());
+        tokio::task::spawn_blocking(move || load_for_reload(&matches, &file)).await
+    };
+    let loaded = match loaded {
+        Ok(Ok(l)) => l,
+        Ok(Err(e)) => return fail(crate::config_file::error_chain(&e)),
+        Err(e) => return fail(format!("the reload task failed: {e}")),
     };
     if loaded.config.tokens_served() && !tokens_served {
         // Its keys could never be had: every request would get 428/403.
@@ -297,9 +467,54 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("f.toml");
         std::fs::write(&p, "a = 1").unwrap();
-        let s1 = stamp(&p).unwrap();
+        let s1 = stamp(&p, None).unwrap();
+        assert!(s1.hash.is_some());
+        // Unchanged metadata: the last stamp, the file not read.
+        assert_eq!(stamp(&p, Some(&s1)).unwrap(), s1);
         std::fs::write(&p, "a = 2").unwrap();
-        assert_ne!(stamp(&p).unwrap().hash, s1.hash);
-        assert!(stamp(&dir.path().join("missing")).is_none());
+        assert_ne!(stamp(&p, None).unwrap().hash, s1.hash);
+        assert!(stamp(&dir.path().join("missing"), None).is_err());
+        assert!(stamp(dir.path(), None).is_err(), "a directory");
+    }
+
+    #[test]
+    fn a_large_file_is_not_hashed() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("big.toml");
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(MAX_CONFIG_FILE + 1).unwrap();
+        let s = stamp(&p, None).unwrap();
+        assert_eq!((s.meta.len, s.hash), (MAX_CONFIG_FILE + 1, None));
+    }
+
+    #[tokio::test]
+    async fn a_file_still_being_written_is_not_settled() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f.toml");
+        std::fs::write(&p, "a = 1\n").unwrap();
+        let stop = CancellationToken::new();
+        let first = stamp(&p, None).unwrap();
+        let settled = settle(&p, first.clone(), &stop).await.unwrap();
+        assert_eq!(
+            settled, first,
+            "an unchanged file settles at the first look"
+        );
+        // A writer appending every 100 ms: never two looks alike.
+        let writer = {
+            let p = p.clone();
+            std::thread::spawn(move || {
+                use std::io::Write as _;
+                let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+                for i in 0..30 {
+                    writeln!(f, "# line {i}").unwrap();
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            })
+        };
+        let moving = stamp(&p, None).unwrap();
+        assert!(settle(&p, moving, &stop).await.is_none());
+        writer.join().unwrap();
+        stop.cancel();
+        assert!(settle(&p, first, &stop).await.is_none(), "stopped");
     }
 }

@@ -328,8 +328,14 @@ fn log_startup(config: &GatewayConfig, kind: &'static str, local_addr: SocketAdd
         ScopeBy::Headers(_) => format!("headers:{}", show_scope(&layer.scope)),
         ScopeBy::Fixed(_) => show_scope(&layer.scope),
     };
+    let config_file = config
+        .config_source
+        .as_ref()
+        .map_or_else(|| "none".to_owned(), |s| s.path.display().to_string());
     tracing::info!(
         listen = %local_addr,
+        config_file = %config_file,
+        routes = %format!("{} + default", config.routes.len()),
         upstream = %config.upstream,
         store = %config.store,
         store_kind = kind,
