@@ -194,7 +194,7 @@ impl Gw {
         let config = dir.path().join("idem.toml");
         std::fs::write(&config, &text).unwrap();
         let path = config.display().to_string();
-        let proc = GatewayProc::start(dir.path(), name, &["--config", &path]).await;
+        let proc = own_gateway(dir.path(), name, &["--config", &path], &[]).await;
         Self {
             proc,
             _dir: dir,
@@ -215,6 +215,66 @@ impl Gw {
             self.proc.logs()
         )
     }
+}
+
+/// `GatewayProc::start_with(dir, name, args)` with `env` set, made sure to
+/// be this test's own gateway: its log says it listens. Ports are picked
+/// by binding and closing, so a parallel test process may take the same
+/// port first; then this gateway fails to bind while the health check
+/// answers from the other one. Such a start is retried on fresh ports
+/// (three attempts).
+async fn own_gateway(
+    dir: &Path,
+    name: &str,
+    args: &[&str],
+    env: &[(&str, std::ffi::OsString)],
+) -> GatewayProc {
+    use futures::FutureExt;
+    for attempt in 1..=3 {
+        let label = format!("{name}-{attempt}");
+        let env: Vec<(String, std::ffi::OsString)> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            .collect();
+        let started =
+            std::panic::AssertUnwindSafe(GatewayProc::start_with(dir, &label, args, move |cmd| {
+                for (k, v) in env {
+                    cmd.env(k, v);
+                }
+            }))
+            .catch_unwind()
+            .await;
+        let log = dir.join(format!("{label}.log"));
+        let lost_port = || {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains("in use")
+        };
+        let mut proc = match started {
+            Ok(p) => p,
+            Err(_) if attempt < 3 && lost_port() => continue,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if !proc.running() {
+                if attempt < 3 && lost_port() {
+                    break;
+                }
+                panic!("gateway {label} exited:\n{}", proc.logs());
+            }
+            if proc.logs().contains("idem gateway listening") {
+                return proc;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "gateway {label}: no `idem gateway listening` line:\n{}",
+                proc.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    unreachable!("the third attempt returns or panics")
 }
 
 // --------------------------------------------------------------- requests
@@ -1989,7 +2049,7 @@ async fn the_example_runs_its_three_routes() {
     let dir = tempfile::tempdir().unwrap();
     let file = example().display().to_string();
     // Flags override the file: the test's upstream and an in-memory store.
-    let gw = GatewayProc::start(
+    let gw = own_gateway(
         dir.path(),
         "example",
         &[
@@ -2000,6 +2060,7 @@ async fn the_example_runs_its_three_routes() {
             "--store",
             "memory://",
         ],
+        &[],
     )
     .await;
     let gw = Gw {
@@ -2324,13 +2385,11 @@ async fn variables_and_flags_override_the_file_and_routes_inherit_them() {
     let path = config.display().to_string();
     // The flag gives the upstream (the file's answers nothing), the
     // variable turns require_key on.
-    let proc = GatewayProc::start_with(
+    let proc = own_gateway(
         dir.path(),
         "override",
         &["--config", &path, "--upstream", &up.url],
-        |cmd| {
-            cmd.env("IDEM_REQUIRE_KEY", "true");
-        },
+        &[("IDEM_REQUIRE_KEY", "true".into())],
     )
     .await;
     let gw = Gw {
@@ -2542,9 +2601,12 @@ async fn a_reload_keeps_the_variables_over_the_file_and_routes_inherit_the_new_t
     };
     std::fs::write(&config, file("2h")).unwrap();
     let path = config.display().to_string();
-    let proc = GatewayProc::start_with(dir.path(), "reload-env", &["--config", &path], |cmd| {
-        cmd.env("IDEM_REQUIRE_KEY", "true");
-    })
+    let proc = own_gateway(
+        dir.path(),
+        "reload-env",
+        &["--config", &path],
+        &[("IDEM_REQUIRE_KEY", "true".into())],
+    )
     .await;
     let gw = Gw {
         proc,
@@ -2663,9 +2725,12 @@ async fn idem_config_names_the_file_too() {
         ),
     )
     .unwrap();
-    let proc = GatewayProc::start_with(dir.path(), "env-config", &[], |cmd| {
-        cmd.env("IDEM_CONFIG", &config);
-    })
+    let proc = own_gateway(
+        dir.path(),
+        "env-config",
+        &[],
+        &[("IDEM_CONFIG", config.clone().into_os_string())],
+    )
     .await;
     let gw = Gw {
         proc,
@@ -2873,10 +2938,11 @@ async fn the_route_name_is_a_field_of_json_log_lines() {
     )
     .unwrap();
     let path = config.display().to_string();
-    let proc = GatewayProc::start(
+    let proc = own_gateway(
         dir.path(),
         "json-log",
         &["--log-format", "json", "--config", &path],
+        &[],
     )
     .await;
     let gw = Gw {
