@@ -196,8 +196,26 @@ fn main() -> ExitCode {
     };
     let otlp = gateway_config
         .as_ref()
-        .and_then(|(args, _)| args.otlp_endpoint.clone());
-    let traces = match init_logging(cli.log_format, default_filter, otlp.as_ref()) {
+        .and_then(|(args, _, _)| args.otlp_endpoint.clone());
+    // The file's `log_format`, unless the flag or its variable set it.
+    let log_format = match gateway_config.as_ref().and_then(|(_, _, f)| f.as_deref()) {
+        Some(from_file)
+            if !matches!(
+                matches.value_source("log_format"),
+                Some(
+                    clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable
+                )
+            ) =>
+        {
+            if from_file == "json" {
+                LogFormat::Json
+            } else {
+                LogFormat::Text
+            }
+        }
+        _ => cli.log_format,
+    };
+    let traces = match init_logging(log_format, default_filter, otlp.as_ref()) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("idem: {e}");
@@ -214,7 +232,7 @@ fn main() -> ExitCode {
     let code = runtime.block_on(async move {
         match cli.command {
             Command::Gateway(_) => {
-                let (_, config) = gateway_config.expect("layered above");
+                let (_, config, _) = gateway_config.expect("layered above");
                 run_gateway(config).await
             }
             Command::Config(_) => unreachable!("answered before the runtime starts"),
@@ -348,7 +366,7 @@ fn init_logging(
 fn gateway_config(
     args: &GatewayArgs,
     matches: &ArgMatches,
-) -> Result<(GatewayArgs, GatewayConfig), ExitCode> {
+) -> Result<(GatewayArgs, GatewayConfig, Option<String>), ExitCode> {
     let refused = |e: &dyn Error| {
         eprintln!("idem gateway: invalid configuration: {}", chain(e));
         eprintln!(
@@ -359,12 +377,12 @@ fn gateway_config(
     };
     match &args.config {
         Some(path) => idem_gateway::config_file::load(matches, path)
-            .map(|l| (l.args, l.config))
+            .map(|l| (l.args, l.config, l.log_format))
             .map_err(|e| refused(&e)),
         None => args
             .clone()
             .into_config()
-            .map(|c| (args.clone(), c))
+            .map(|c| (args.clone(), c, None))
             .map_err(|e| refused(&e)),
     }
 }

@@ -903,3 +903,37 @@ async fn a_reload_that_rescopes_a_route_warns() {
         "{warn}"
     );
 }
+
+/// `log_format` in the file sets the log format; the flag wins over it.
+#[tokio::test]
+async fn the_log_format_comes_from_the_file_unless_the_flag_sets_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let f = dir.path().join("idem.toml");
+    write(
+        &f,
+        &format!("log_format = \"json\"\n{}", config_text(&up.url, false, "")),
+    );
+    let gw = GatewayProc::start(dir.path(), "json", &["--config", f.to_str().unwrap()]).await;
+    let first = gw.logs().lines().next().unwrap_or_default().to_owned();
+    assert!(
+        serde_json::from_str::<serde_json::Value>(&first).is_ok(),
+        "a JSON line: {first}"
+    );
+    drop(gw);
+    let gw = GatewayProc::start(
+        dir.path(),
+        "text",
+        &["--config", f.to_str().unwrap(), "--log-format", "text"],
+    )
+    .await;
+    let first = gw.logs().lines().next().unwrap_or_default().to_owned();
+    assert!(
+        serde_json::from_str::<serde_json::Value>(&first).is_err() && first.contains("INFO"),
+        "a text line: {first}"
+    );
+    write(&f, "log_format = \"yaml\"\n");
+    let (code, _, err) = check(&f, &[], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(":1:"), "{err}");
+}

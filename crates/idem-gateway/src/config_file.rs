@@ -46,6 +46,10 @@ use crate::reload::ConfigSource;
 
 /// The id (and long name) of the `--config` flag; it has no file key.
 pub const CONFIG_ARG: &str = "config";
+/// The file key of `idem --log-format` (a flag of `idem` itself, not of
+/// `idem gateway`): `"text"` or `"json"`; the flag and `IDEM_LOG_FORMAT`
+/// win over it. Read at start only (the logger is installed once).
+pub const LOG_FORMAT_KEY: &str = "log_format";
 
 /// How a flag's value is written in the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -369,6 +373,8 @@ pub struct Loaded {
     pub config: GatewayConfig,
     /// Every effective value with its source.
     pub report: Report,
+    /// The file's [`LOG_FORMAT_KEY`] (`text` or `json`), if it has one.
+    pub log_format: Option<String>,
 }
 
 /// Reads `path` and layers it under the command line `matches` (parsed by
@@ -473,10 +479,20 @@ pub fn load_str(matches: &ArgMatches, path: &Path, text: &str) -> Result<Loaded,
     // Top level: each key checked by its flag's parser.
     let mut file_values: BTreeMap<String, (Vec<String>, usize)> = BTreeMap::new();
     let mut routes_value = None;
+    let mut log_format = None;
     for (k, v) in &doc {
         let name: &str = k.get_ref();
         if name == "routes" {
             routes_value = Some(v);
+            continue;
+        }
+        if name == LOG_FORMAT_KEY {
+            match v.get_ref() {
+                DeValue::String(f) if f == "text" || f == "json" => {
+                    log_format = Some(f.to_string());
+                }
+                _ => return Err(at(v.span(), format!("`{name}`: \"text\" or \"json\""))),
+            }
             continue;
         }
         let Some(fk) = keys.iter().find(|fk| fk.key == name) else {
@@ -666,6 +682,7 @@ pub fn load_str(matches: &ArgMatches, path: &Path, text: &str) -> Result<Loaded,
         args,
         config,
         report,
+        log_format,
     })
 }
 
@@ -1315,6 +1332,16 @@ pub fn schema() -> serde_json::Value {
         }
         props.insert(fk.key, p);
     }
+    props.insert(
+        LOG_FORMAT_KEY.into(),
+        json!({
+            "enum": ["text", "json"],
+            "default": "text",
+            "description": "Log format (logs go to stderr): a flag of `idem` itself (`idem --log-format json gateway`); the flag and IDEM_LOG_FORMAT win over the file. Read at start only.",
+            "x-env": "IDEM_LOG_FORMAT",
+            "x-flag": "--log-format"
+        }),
+    );
     let mut route_props = Map::new();
     for rk in ROUTE_KEYS {
         let mut p = match rk.ty {
