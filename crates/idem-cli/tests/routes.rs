@@ -3023,3 +3023,37 @@ require_key = true
     assert_eq!(status, 400, "keyless absolute-form POST:\n{answer}");
     assert_eq!(up.total(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_format_from_the_file() {
+    let up = Echo::start().await;
+    let routes = "\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\n";
+    let gw = Gw::start("file-json-log", &up, "log_format = \"json\"", routes).await;
+    let c = client();
+    assert_executed(
+        &post(&c, &gw, "/payments", Some("k-fj"), "{}").await,
+        201,
+        "payments",
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let log = gw.proc.logs();
+        let json_lines = log
+            .lines()
+            .filter(|l| serde_json::from_str::<serde_json::Value>(l).is_ok())
+            .count();
+        if json_lines > 0 && log.contains("k-fj") && log.contains("\"route\":\"payments\"") {
+            assert_eq!(
+                json_lines,
+                log.lines().filter(|l| !l.trim().is_empty()).count(),
+                "every line is JSON:\n{log}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "log_format = \"json\" in the file: JSON lines with the route expected:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
