@@ -744,13 +744,12 @@ async fn webhook_body_with_a_duplicate_event_id_never_runs_twice() {
     );
 }
 
-/// The brief's contract: a body that is not JSON is passed through on a
-/// body-key route that does not require a key. (Since core's aca1c44 the
-/// layer answers 400 `body-not-json` instead, on the ground that an
-/// upstream parser may still find a key in a body that is not I-JSON;
-/// whichever the lead keeps, this test names the choice.)
+/// A body that is not I-JSON on a body-key route is refused (400
+/// `body-not-json`) even when the route does not require a key: an
+/// upstream's parser may still find a key in it (see the duplicate
+/// `event_id` test above), so passing it through could run an event twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn webhook_body_that_is_not_json_passes_through_when_the_route_does_not_require_a_key() {
+async fn webhook_body_that_is_not_json_is_refused_even_when_the_route_does_not_require_a_key() {
     let up = Echo::start().await;
     let gw = Gw::start("webhook-not-json", &up, "", WEBHOOKS).await;
     let c = client();
@@ -764,13 +763,14 @@ async fn webhook_body_that_is_not_json_passes_through_when_the_route_does_not_re
             "event_id=evt_1",
         )
         .await;
-        assert_executed(
+        assert_problem(
             &got,
-            201,
+            400,
+            Some("body-not-json"),
             &format!("a body that is not JSON, attempt {attempt}"),
         );
     }
-    assert_eq!(up.total(), 2, "not JSON: passed through, no replay");
+    assert_eq!(up.total(), 0, "not JSON: refused, nothing ran");
 }
 
 // ------------------------------------------------------------- precedence
