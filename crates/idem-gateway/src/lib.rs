@@ -241,17 +241,17 @@
 
 mod admin;
 mod config;
-pub mod config_file;
 mod guard;
 mod health;
 pub mod keys;
 mod limits;
 pub mod otel;
 mod proxy;
-pub mod reload;
 mod server;
 mod store;
 
+pub use config::file as config_file;
+pub use config::reload;
 pub use config::{parse_admin_listen, AdminListen, DEFAULT_ADMIN_LISTEN};
 pub use config::{
     parse_duration, parse_method, parse_scope_header, parse_size, parse_token_prefix,

@@ -294,7 +294,7 @@ impl Gateway {
         let reload_stop = tokio_util::sync::CancellationToken::new();
         let _reload_stop_on_exit = reload_stop.clone().drop_guard();
         if let Some(source) = config.config_source.clone() {
-            tokio::spawn(crate::reload::run(
+            tokio::spawn(crate::config::reload::run(
                 source,
                 (routes.layer.clone(), config.tokens_served()),
                 reload_stop.clone(),

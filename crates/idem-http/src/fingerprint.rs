@@ -51,7 +51,7 @@ use idem_core::{Fingerprint, FingerprintBuilder};
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 
-use crate::body_key::{array_index, pointer_tokens};
+use crate::json_pointer::{array_index, pointer_tokens};
 
 /// Tag of the fingerprint format, hashed first so a change of format never
 /// collides with an older one.
@@ -227,7 +227,7 @@ pub enum FingerprintSpecError {
     Pointer {
         /// The entry as given.
         pointer: String,
-        /// Why (see [`crate::body_key::validate_pointer`]).
+        /// Why (see [`crate::json_pointer::validate_pointer`]).
         reason: String,
     },
     /// Both `include` and `exclude` are set.
@@ -284,7 +284,7 @@ impl FingerprintSpec {
     /// The first problem, as a [`FingerprintSpecError`].
     pub fn validate(&self) -> Result<(), FingerprintSpecError> {
         for p in self.exclude.iter().chain(&self.include) {
-            crate::body_key::validate_pointer(p).map_err(|reason| {
+            crate::json_pointer::validate_pointer(p).map_err(|reason| {
                 FingerprintSpecError::Pointer {
                     pointer: p.clone(),
                     reason,
@@ -437,7 +437,7 @@ fn selected_body(b: &mut FingerprintBuilder, spec: &FingerprintSpec, body: &[u8]
             let Ok(tokens) = pointer_tokens(p) else {
                 return false;
             };
-            match crate::body_key::lookup(&value, &tokens) {
+            match crate::json_pointer::lookup(&value, &tokens) {
                 None => parts.push(None),
                 Some(v) => match canonical_value(v) {
                     Some(c) => parts.push(Some(c)),
@@ -1232,7 +1232,7 @@ mod tests {
             let mut v: Value = serde_json::from_str(body).unwrap();
             let tokens: Vec<Vec<String>> = ptrs
                 .iter()
-                .map(|p| crate::body_key::pointer_tokens(p).unwrap())
+                .map(|p| crate::json_pointer::pointer_tokens(p).unwrap())
                 .collect();
             let refs: Vec<&[String]> = tokens.iter().map(Vec::as_slice).collect();
             remove_pointers(&mut v, &refs);

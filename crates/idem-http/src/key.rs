@@ -323,6 +323,28 @@ fn parse_number(v: &[u8]) -> Result<&[u8], KeyHeaderError> {
     Ok(&v[i..])
 }
 
+/// Where a route's idempotency key comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// A request header (default `Idempotency-Key`), parsed as the
+    /// `Idempotency-Key` field is (IETF httpapi draft: an RFC 8941
+    /// sf-string or a bare token of 1 to 255 characters).
+    Header(HeaderName),
+    /// A member of the JSON request body, by JSON Pointer (RFC 6901), e.g.
+    /// `/event_id` for `{"event_id": "evt_1"}`: a string (the key as it is)
+    /// or an integer (its decimal digits). The body is read first (up to
+    /// the route's `max_body`). A body without it is passed through, or
+    /// refused with 400 `key-required` when the route requires a key.
+    JsonPointer(String),
+}
+
+impl Default for KeySource {
+    /// The `Idempotency-Key` header.
+    fn default() -> Self {
+        Self::Header(IDEMPOTENCY_KEY)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

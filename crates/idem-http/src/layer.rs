@@ -110,7 +110,7 @@ impl IdempotencyLayer {
             options,
             tracker: TaskTracker::new(),
             live_tokens: Arc::default(),
-            observer: Arc::new(Observer::for_route(crate::routes::DEFAULT_ROUTE)),
+            observer: Arc::new(Observer::for_route(crate::observe::DEFAULT_ROUTE)),
             routes: Vec::new(),
             rules: Arc::default(),
         }
@@ -289,12 +289,12 @@ impl IdempotencyLayer {
     pub fn reload(&self, options: Options, routes: Vec<Route>) -> Result<Reloaded, RouteError> {
         crate::routes::validate_routes(&routes)?;
         options.validate().map_err(|e| RouteError::Invalid {
-            route: crate::routes::DEFAULT_ROUTE.into(),
+            route: crate::observe::DEFAULT_ROUTE.into(),
             reason: e.to_string(),
         })?;
         if options.methods.is_empty() {
             return Err(RouteError::Invalid {
-                route: crate::routes::DEFAULT_ROUTE.into(),
+                route: crate::observe::DEFAULT_ROUTE.into(),
                 reason: "no method".into(),
             });
         }
@@ -302,7 +302,7 @@ impl IdempotencyLayer {
             .fingerprint
             .validate()
             .map_err(|e| RouteError::Invalid {
-                route: crate::routes::DEFAULT_ROUTE.into(),
+                route: crate::observe::DEFAULT_ROUTE.into(),
                 reason: format!("fingerprint: {e}"),
             })?;
         let table = Table::new(&self.store, &self.options, &options, &routes);

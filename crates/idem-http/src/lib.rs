@@ -126,6 +126,7 @@ pub mod body_key;
 mod budget;
 pub mod fingerprint;
 mod future;
+mod json_pointer;
 pub mod key;
 mod layer;
 pub mod observe;

@@ -33,6 +33,8 @@ use http::{Method, StatusCode};
 use idem_core::{key_hash, IdempotencyKey, Scope};
 use metrics::{Counter, Gauge, Histogram};
 
+/// The route name of requests no route matches ([`crate::routes`]): `default`.
+pub const DEFAULT_ROUTE: &str = "default";
 /// Counter of handled requests, by `outcome` and `route`.
 pub const REQUESTS: &str = "idem_requests_total";
 /// Histogram of the time from a request's arrival at the layer to its
@@ -215,7 +217,7 @@ impl Observer {
             in_flight: metrics::gauge!(IN_FLIGHT),
             tokens_issued: metrics::counter!(TOKENS_ISSUED),
         };
-        if route == crate::routes::DEFAULT_ROUTE {
+        if route == DEFAULT_ROUTE {
             for i in 0..RequestOutcome::ALL.len() {
                 o.handles(i);
             }

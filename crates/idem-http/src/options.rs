@@ -8,9 +8,9 @@ use http::Method;
 use idem_core::{Action, EngineConfig, IdempotencyKey, Scope};
 
 use crate::fingerprint::FingerprintSpec;
+use crate::key::KeySource;
 use crate::path::{normalize_path, rule_form};
 use crate::policy::StatusPolicy;
-use crate::routes::KeySource;
 use crate::scope::ScopeBy;
 
 /// Guarded methods by default: POST and PATCH.

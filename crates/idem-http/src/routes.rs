@@ -17,41 +17,19 @@
 
 use std::sync::Arc;
 
-use http::{HeaderName, Method};
+use http::Method;
 use idem_core::{DynStore, Engine};
 
 use crate::observe::Observer;
 use crate::options::Options;
 use crate::path::{normalize_path, rule_form};
 
-/// The route name of requests no route matches: `default`.
-pub const DEFAULT_ROUTE: &str = "default";
+pub use crate::key::KeySource;
+pub use crate::observe::DEFAULT_ROUTE;
 /// The longest route name, bytes: 64 (it is a metric label).
 pub const MAX_ROUTE_NAME: usize = 64;
 /// The most routes in one table: 1,000 (each request may try every one).
 pub const MAX_ROUTES: usize = 1000;
-
-/// Where a route's idempotency key comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeySource {
-    /// A request header (default `Idempotency-Key`), parsed as the
-    /// `Idempotency-Key` field is (IETF httpapi draft: an RFC 8941
-    /// sf-string or a bare token of 1 to 255 characters).
-    Header(HeaderName),
-    /// A member of the JSON request body, by JSON Pointer (RFC 6901), e.g.
-    /// `/event_id` for `{"event_id": "evt_1"}`: a string (the key as it is)
-    /// or an integer (its decimal digits). The body is read first (up to
-    /// the route's `max_body`). A body without it is passed through, or
-    /// refused with 400 `key-required` when the route requires a key.
-    JsonPointer(String),
-}
-
-impl Default for KeySource {
-    /// The `Idempotency-Key` header.
-    fn default() -> Self {
-        Self::Header(crate::key::IDEMPOTENCY_KEY)
-    }
-}
 
 /// A path pattern: segments matched one by one against the request path,
 /// as a prefix by segment. `/payments` matches `/payments`, `/payments/`

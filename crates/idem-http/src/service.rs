@@ -22,6 +22,7 @@ use crate::body_key::{key_from_json, BodyKeyError};
 use crate::budget::{BodyBudget, Reservation};
 use crate::fingerprint::request_fingerprint_with;
 use crate::future::ResponseFuture;
+use crate::key::KeySource;
 use crate::key::{
     key_from_header, key_header_value, KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS,
     IDEMPOTENT_REPLAYED,
@@ -32,7 +33,7 @@ use crate::path::{normalize_path, PathError};
 use crate::policy::Disposition;
 use crate::problem::Problem;
 use crate::replay::{replay_response, to_stored};
-use crate::routes::{KeySource, Rules, Table};
+use crate::routes::{Rules, Table};
 use crate::tokens::TokenBudget;
 use crate::{BoxBody, BoxError};
 
@@ -711,7 +712,7 @@ where
         let resp = fut.await;
         let (method, path, route) = match &access {
             Some((m, p, r)) => (m, p.as_str(), &**r),
-            None => (&Method::GET, "", crate::routes::DEFAULT_ROUTE),
+            None => (&Method::GET, "", crate::observe::DEFAULT_ROUTE),
         };
         observer.finished(&Finished {
             outcome: RequestOutcome::Passthrough,

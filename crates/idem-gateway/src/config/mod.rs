@@ -20,6 +20,9 @@ pub use ipnet::IpNet;
 
 use crate::store::StoreOptions;
 
+pub mod file;
+pub mod reload;
+
 /// The listening address by default: `127.0.0.1:8000`.
 pub const DEFAULT_LISTEN: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 8000));
 /// The store by default: a SQLite file `idem.db` in the working directory.
@@ -569,10 +572,10 @@ pub struct GatewayConfig {
     /// `max_body` above 0 and within `max_buffered`, no safe method.
     pub routes: Vec<idem_http::Route>,
     /// The configuration file this came from and the command line it was
-    /// layered under (set by [`crate::config_file::load`]): the gateway
+    /// layered under (set by [`file::load`]): the gateway
     /// reloads the routes and the per-request settings from it on SIGHUP
-    /// and when the file changes (see [`crate::reload`]). Default none.
-    pub config_source: Option<crate::reload::ConfigSource>,
+    /// and when the file changes (see [`reload`]). Default none.
+    pub config_source: Option<file::ConfigSource>,
 }
 
 impl GatewayConfig {

@@ -38,11 +38,10 @@ use idem_http::{Disposition, KeySource, Options, Route, RouteError, ScopeBy, Sta
 use toml::de::{DeTable, DeValue};
 use toml::Spanned;
 
-use crate::config::{
+use super::{
     parse_duration, parse_method, parse_scope_header, parse_size, show_duration, show_scope,
     show_size, ConfigError, GatewayArgs, GatewayConfig,
 };
-use crate::reload::ConfigSource;
 
 /// The id (and long name) of the `--config` flag; it has no file key.
 pub const CONFIG_ARG: &str = "config";
@@ -360,6 +359,27 @@ impl FloorBoundary for str {
             i -= 1;
         }
         i
+    }
+}
+
+/// Where the running configuration came from: the file, the command line
+/// it was layered under, and what it gave at start. Its `Debug` shows the
+/// path only (the command line may hold a store password).
+#[derive(Clone)]
+pub struct ConfigSource {
+    /// The configuration file.
+    pub path: PathBuf,
+    /// The command line as clap parsed it (the arguments of `idem gateway`).
+    pub matches: ArgMatches,
+    /// The effective settings at start.
+    pub report: Report,
+}
+
+impl std::fmt::Debug for ConfigSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConfigSource")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
     }
 }
 

@@ -16,7 +16,7 @@
 //! watched (not a pipe such as `--config <(…)`).
 //!
 //! A reload reads the file again and layers it under the same command line
-//! and environment as at start ([`crate::config_file::load_for_reload`],
+//! and environment as at start ([`super::file::load_for_reload`],
 //! on a blocking thread, off the async workers), then validates the whole
 //! configuration. A file with no key (empty, or only whitespace and
 //! comments: truncated, or caught half-written) is refused. A good one
@@ -36,15 +36,14 @@
 //! Metrics: [`RELOADS`] `idem_config_reloads_total{result="ok"|"error"}`
 //! and [`LAST_RELOAD_SUCCESS`] `idem_config_last_reload_success` (1 or 0).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use clap::ArgMatches;
 use idem_http::IdempotencyLayer;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
-use crate::config_file::{load_for_reload, Report, MAX_CONFIG_FILE};
+use super::file::{load_for_reload, ConfigSource, Report, MAX_CONFIG_FILE};
 
 /// Counter of reloads by result, label `result` = `ok` | `error`.
 pub const RELOADS: &str = "idem_config_reloads_total";
@@ -72,27 +71,6 @@ pub const RELOADABLE: &[&str] = &[
     "retention_limit",
     "scope_header",
 ];
-
-/// Where the running configuration came from: the file, the command line
-/// it was layered under, and what it gave at start. Its `Debug` shows the
-/// path only (the command line may hold a store password).
-#[derive(Clone)]
-pub struct ConfigSource {
-    /// The configuration file.
-    pub path: PathBuf,
-    /// The command line as clap parsed it (the arguments of `idem gateway`).
-    pub matches: ArgMatches,
-    /// The effective settings at start.
-    pub report: Report,
-}
-
-impl std::fmt::Debug for ConfigSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ConfigSource")
-            .field("path", &self.path)
-            .finish_non_exhaustive()
-    }
-}
 
 /// The file's metadata: what the poll compares before it reads the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -369,7 +347,7 @@ async fn reload_once(
     };
     let loaded = match loaded {
         Ok(Ok(l)) => l,
-        Ok(Err(e)) => return fail(crate::config_file::error_chain(&e)),
+        Ok(Err(e)) => return fail(super::file::error_chain(&e)),
         Err(e) => return fail(format!("the reload task failed: {e}")),
     };
     if loaded.config.tokens_served() && !tokens_served {
@@ -429,8 +407,8 @@ pub fn restart_needed(running: &Report, new: &Report) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+    use super::file::{Setting, Source};
     use super::*;
-    use crate::config_file::{Setting, Source};
 
     fn report(pairs: &[(&str, &str)]) -> Report {
         Report {
