@@ -118,6 +118,7 @@ use crate::json_pointer::{lookup, pointer_tokens};
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::json_pointer::array_index;
 
     fn key(body: &str, pointer: &str) -> Result<Option<String>, BodyKeyError> {
         key_from_json(body.as_bytes(), pointer).map(|k| k.map(|k| k.as_str().to_owned()))

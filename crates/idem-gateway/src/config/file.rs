@@ -207,20 +207,26 @@ impl Report {
     }
 }
 
+/// `key = value  # source` lines, the values in one column.
+fn write_settings(f: &mut fmt::Formatter<'_>, settings: &[Setting]) -> fmt::Result {
+    let width = settings.iter().map(|s| s.key.len()).max().unwrap_or(0);
+    for s in settings {
+        writeln!(
+            f,
+            "{:<width$} = {:<40} # {}",
+            s.key,
+            quote(&s.value),
+            s.source
+        )?;
+    }
+    Ok(())
+}
+
 impl fmt::Display for Report {
     /// The listing `idem config check` prints: `key = value  # source`
     /// lines, then each route as a `[[routes]]` block.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let width = self.settings.iter().map(|s| s.key.len()).max().unwrap_or(0);
-        for s in &self.settings {
-            writeln!(
-                f,
-                "{:<width$} = {:<40} # {}",
-                s.key,
-                quote(&s.value),
-                s.source
-            )?;
-        }
+        write_settings(f, &self.settings)?;
         writeln!(f)?;
         let tables = self.routes.iter().filter(|r| r.line.is_some()).count();
         writeln!(
@@ -238,16 +244,7 @@ impl fmt::Display for Report {
                     r.name
                 )?,
             }
-            let width = r.settings.iter().map(|s| s.key.len()).max().unwrap_or(0);
-            for s in &r.settings {
-                writeln!(
-                    f,
-                    "{:<width$} = {:<40} # {}",
-                    s.key,
-                    quote(&s.value),
-                    s.source
-                )?;
-            }
+            write_settings(f, &r.settings)?;
         }
         Ok(())
     }

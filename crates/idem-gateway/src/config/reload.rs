@@ -407,8 +407,8 @@ pub fn restart_needed(running: &Report, new: &Report) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::file::{Setting, Source};
     use super::*;
+    use crate::config::file::{Setting, Source};
 
     fn report(pairs: &[(&str, &str)]) -> Report {
         Report {
