@@ -442,6 +442,26 @@ fn config_text(upstream: &str, require_key: bool, extra: &str) -> String {
     )
 }
 
+/// A gateway started from `config_text(upstream, false, "")` in a new
+/// folder (kept until the tuple is dropped), its upstream, the file, and a
+/// client, once the reload task is ready.
+async fn from_file() -> (
+    tempfile::TempDir,
+    Upstream,
+    PathBuf,
+    GatewayProc,
+    reqwest::Client,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let f = dir.path().join("idem.toml");
+    write(&f, &config_text(&up.url, false, ""));
+    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
+    let c = reqwest::Client::new();
+    reload_ready(&c, &gw).await;
+    (dir, up, f, gw, c)
+}
+
 /// Writes `text` as editors do: a new file renamed over the old one.
 fn rename_write(path: &Path, text: &str) {
     let tmp: PathBuf = path.with_extension("toml.tmp");
@@ -451,13 +471,7 @@ fn rename_write(path: &Path, text: &str) {
 
 #[tokio::test]
 async fn reload_under_load_fails_no_request() {
-    let dir = tempfile::tempdir().unwrap();
-    let up = Upstream::start().await;
-    let f = dir.path().join("idem.toml");
-    write(&f, &config_text(&up.url, false, ""));
-    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
-    let c = reqwest::Client::new();
-    reload_ready(&c, &gw).await;
+    let (_dir, up, f, gw, c) = from_file().await;
 
     // The client loop: 4 workers, each request with a fresh key.
     let stop = Arc::new(AtomicBool::new(false));
@@ -581,13 +595,7 @@ async fn reload_under_load_fails_no_request() {
 
 #[tokio::test]
 async fn a_changed_file_is_reloaded_without_a_signal() {
-    let dir = tempfile::tempdir().unwrap();
-    let up = Upstream::start().await;
-    let f = dir.path().join("idem.toml");
-    write(&f, &config_text(&up.url, false, ""));
-    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
-    let c = reqwest::Client::new();
-    reload_ready(&c, &gw).await;
+    let (_dir, up, f, gw, c) = from_file().await;
     assert_eq!(reload_metrics(&c, &gw).await, (0, 0, Some(1)));
     // Touching the file without a change is no reload.
     write(&f, &config_text(&up.url, false, ""));
@@ -610,13 +618,7 @@ async fn a_changed_file_is_reloaded_without_a_signal() {
 /// Needs `IdempotencyLayer::reload` to swap the rules (the `core` branch).
 #[tokio::test]
 async fn a_changed_route_rule_takes_effect_after_reload() {
-    let dir = tempfile::tempdir().unwrap();
-    let up = Upstream::start().await;
-    let f = dir.path().join("idem.toml");
-    write(&f, &config_text(&up.url, false, ""));
-    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
-    let c = reqwest::Client::new();
-    reload_ready(&c, &gw).await;
+    let (_dir, up, f, gw, c) = from_file().await;
     let keyless = |c: reqwest::Client, url: String| async move {
         c.post(url)
             .body("{}")
@@ -674,13 +676,7 @@ fn the_documented_example_is_valid() {
 /// rules stay.
 #[tokio::test]
 async fn a_reload_that_needs_the_token_endpoint_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let up = Upstream::start().await;
-    let f = dir.path().join("idem.toml");
-    write(&f, &config_text(&up.url, false, ""));
-    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
-    let c = reqwest::Client::new();
-    reload_ready(&c, &gw).await;
+    let (_dir, up, f, gw, c) = from_file().await;
     let token_route = "\n[[routes]]\nname = \"tok\"\npath = \"/tok\"\nrequire_token = true\n";
     write(&f, &config_text(&up.url, false, token_route));
     gw.signal("-HUP");
@@ -839,13 +835,7 @@ async fn a_file_over_1_mib_is_refused() {
 /// reload counted (not one a second); reloaded when it is back.
 #[tokio::test]
 async fn a_deleted_file_is_reported_once_and_reloaded_when_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let up = Upstream::start().await;
-    let f = dir.path().join("idem.toml");
-    write(&f, &config_text(&up.url, false, ""));
-    let gw = GatewayProc::start(dir.path(), "gw", &["--config", f.to_str().unwrap()]).await;
-    let c = reqwest::Client::new();
-    reload_ready(&c, &gw).await;
+    let (_dir, up, f, gw, c) = from_file().await;
     std::fs::remove_file(&f).unwrap();
     let m = reloads_reach(&c, &gw, 1).await;
     assert_eq!(m, (0, 1, Some(0)), "{}", gw.logs());

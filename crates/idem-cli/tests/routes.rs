@@ -2128,6 +2128,39 @@ fn log_count(gw: &Gw, needle: &str) -> usize {
         .count()
 }
 
+/// Waits (at most 10 s) until the gateway's log has more than `seen` lines
+/// containing `needle`.
+async fn until_logged(gw: &Gw, needle: &str, seen: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while log_count(gw, needle) <= seen {
+        assert!(
+            Instant::now() < deadline,
+            "no new `{needle}` line within 10 s:\n{}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends a keyless `POST path` until it answers 400 `key-required` (the
+/// changed file applied), at most 10 s.
+async fn until_key_required(c: &reqwest::Client, gw: &Gw, path: &str, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = post(c, gw, path, None, "{}").await;
+        if got.status == 400 {
+            assert_problem(&got, 400, Some("key-required"), what);
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: the change was not applied within 10 s: {got:?}\n{}",
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_under_load_drops_no_request_and_keeps_the_rules_on_a_bad_file() {
     let up = Echo::start().await;
@@ -2210,34 +2243,13 @@ async fn reload_under_load_drops_no_request_and_keeps_the_rules_on_a_bad_file() 
     // A good file is applied: keyless payments are refused now.
     write(&payments_route(true));
     gw.proc.signal("-HUP");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let got = post(&c, &gw, "/payments", None, "{}").await;
-        if got.status == 400 {
-            assert_problem(&got, 400, Some("key-required"), "after the reload");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "require_key = true not applied within 10 s: {got:?}\n{}",
-            gw.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_key_required(&c, &gw, "/payments", "after the reload").await;
 
     // A bad file changes nothing and says why.
     let failures = log_count(&gw, "configuration reload failed");
     write(bad[0]);
     gw.proc.signal("-HUP");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while log_count(&gw, "configuration reload failed") <= failures {
-        assert!(
-            Instant::now() < deadline,
-            "no `configuration reload failed` line within 10 s:\n{}",
-            gw.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_logged(&gw, "configuration reload failed", failures).await;
     let got = post(&c, &gw, "/payments", None, "{}").await;
     assert_problem(
         &got,
@@ -2307,15 +2319,7 @@ async fn a_request_in_flight_keeps_its_rules_across_a_reload() {
     let text = std::fs::read_to_string(&gw.config).unwrap();
     std::fs::write(&gw.config, text.replace("store-5xx", "default")).unwrap();
     gw.proc.signal("-HUP");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while log_count(&gw, "configuration reloaded") == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "no `configuration reloaded` line within 10 s:\n{}",
-            gw.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_logged(&gw, "configuration reloaded", 0).await;
     assert!(
         !original.is_finished(),
         "the reload was applied while the request was in flight (3 s upstream)"
@@ -2354,20 +2358,7 @@ async fn a_changed_file_is_applied_without_a_signal() {
         text.replace("require_key = false", "require_key = true"),
     )
     .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let got = post(&c, &gw, "/payments", None, "{}").await;
-        if got.status == 400 {
-            assert_problem(&got, 400, Some("key-required"), "after the file changed");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the changed file was not applied within 10 s: {got:?}\n{}",
-            gw.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_key_required(&c, &gw, "/payments", "after the file changed").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2570,20 +2561,7 @@ async fn a_reload_may_reorder_the_routes() {
     let head = text.split("[[routes]]").next().unwrap();
     std::fs::write(&gw.config, format!("{head}{broad}{narrow}")).unwrap();
     gw.proc.signal("-HUP");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let got = post(&c, &gw, "/payments/refunds", None, "{}").await;
-        if got.status == 400 {
-            assert_problem(&got, 400, Some("key-required"), "payments listed first now");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the new order was not applied within 10 s: {got:?}\n{}",
-            gw.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_key_required(&c, &gw, "/payments/refunds", "payments listed first now").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2634,11 +2612,7 @@ async fn a_reload_keeps_the_variables_over_the_file_and_routes_inherit_the_new_t
 
     std::fs::write(&gw.config, file("5h")).unwrap();
     gw.proc.signal("-HUP");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while log_count(&gw, "configuration reloaded") == 0 {
-        assert!(Instant::now() < deadline, "not reloaded:\n{}", gw.logs());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_logged(&gw, "configuration reloaded", 0).await;
     assert_executed(&post(&c, &gw, "/r", Some("k-5h"), "{}").await, 201, "after");
     let left = expiry_in("k-5h");
     assert!(
@@ -2872,11 +2846,7 @@ async fn an_open_connection_survives_a_reload_and_gets_the_new_rules() {
     )
     .unwrap();
     gw.proc.signal("-HUP");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while log_count(&gw, "configuration reloaded") == 0 {
-        assert!(Instant::now() < deadline, "not reloaded:\n{}", gw.logs());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_logged(&gw, "configuration reloaded", 0).await;
     s.write_all(request.as_bytes()).await.unwrap();
     let (status, body) = read_response(&mut s).await;
     assert_eq!(
