@@ -249,6 +249,7 @@ pub mod otel;
 mod proxy;
 mod server;
 mod store;
+pub mod tls;
 
 pub use config::file as config_file;
 pub use config::reload;
@@ -259,6 +260,7 @@ pub use config::{
     GatewayConfig, IpNet, DEFAULT_LISTEN, DEFAULT_PURGE_INTERVAL, DEFAULT_SHUTDOWN_GRACE,
     DEFAULT_STORE, DEFAULT_UPSTREAM_IDLE_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT,
 };
+pub use config::{parse_scope_from, ScopeFrom};
 pub use config::{DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, MAX_DURATION};
 /// The response field that marks an answer given without protection
 /// (`Idempotency-Status: unprotected`, see [Store outages](#store-outages)).

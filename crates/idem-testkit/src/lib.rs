@@ -50,6 +50,8 @@ pub mod faulty;
 mod kept;
 pub mod lock_checks;
 mod macros;
+#[cfg(feature = "pki")]
+pub mod pki;
 pub mod server_checks;
 pub mod store_checks;
 pub mod support;

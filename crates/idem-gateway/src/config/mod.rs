@@ -367,6 +367,71 @@ pub struct GatewayArgs {
     /// OTEL_SERVICE_NAME, default `idem-gateway`. Unset: no export.
     #[arg(long, env = "IDEM_OTLP_ENDPOINT", value_name = "URL", value_parser = crate::otel::parse_otlp_endpoint)]
     pub otlp_endpoint: Option<crate::otel::OtlpEndpoint>,
+
+    /// Serve TLS on `--listen`: the certificate chain, PEM (leaf first).
+    /// Needs `--tls-key`. Reloaded without a restart when the file changes
+    /// and on SIGHUP; a reload that fails keeps the old certificate. ALPN
+    /// offers `h2` and `http/1.1`. Unset: plain HTTP.
+    #[arg(long, env = "IDEM_TLS_CERT", value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// The private key of `--tls-cert`, PEM (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "IDEM_TLS_KEY", value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+
+    /// Require a client certificate signed by one of these CAs (PEM) on the
+    /// TLS listener (mTLS): a connection without one, or with an expired or
+    /// foreign one, fails its handshake. Needs `--tls-cert`.
+    #[arg(
+        long,
+        env = "IDEM_TLS_CLIENT_CA",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
+    pub tls_client_ca: Option<std::path::PathBuf>,
+
+    /// What scopes a key: `headers` (the `--scope-header` values) or
+    /// `client-cert` (the SHA-256 of the verified client certificate, so
+    /// mTLS callers are scoped by identity; needs `--tls-client-ca`).
+    #[arg(long, env = "IDEM_SCOPE_FROM", value_name = "headers|client-cert", default_value = "headers", value_parser = parse_scope_from)]
+    pub scope_from: ScopeFrom,
+
+    /// Trust this CA (PEM) for an `https://` upstream instead of the
+    /// system's roots. The certificate is always checked against the URL's
+    /// host (SNI and name), as RFC 9110 §4.3.4 requires.
+    #[arg(long, env = "IDEM_UPSTREAM_CA", value_name = "FILE")]
+    pub upstream_ca: Option<std::path::PathBuf>,
+
+    /// A client certificate chain (PEM) shown to an `https://` upstream that
+    /// asks for one (mTLS). Needs `--upstream-client-key`.
+    #[arg(
+        long,
+        env = "IDEM_UPSTREAM_CLIENT_CERT",
+        value_name = "FILE",
+        requires = "upstream_client_key"
+    )]
+    pub upstream_client_cert: Option<std::path::PathBuf>,
+
+    /// The private key of `--upstream-client-cert`, PEM.
+    #[arg(
+        long,
+        env = "IDEM_UPSTREAM_CLIENT_KEY",
+        value_name = "FILE",
+        requires = "upstream_client_cert"
+    )]
+    pub upstream_client_key: Option<std::path::PathBuf>,
+
+    /// Speak HTTP/2 to the upstream: with prior knowledge (h2c) to an
+    /// `http://` upstream; over TLS, only h2 is offered in ALPN. Needed for
+    /// gRPC services. Default: HTTP/1.1 (over TLS, ALPN offers both and the
+    /// upstream picks). The variable takes true/false, yes/no, on/off, 1/0.
+    #[arg(
+        long,
+        env = "IDEM_UPSTREAM_HTTP2",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::FalseyValueParser::new()
+    )]
+    pub upstream_http2: bool,
 }
 
 /// Where the admin listener listens: an address, or nowhere.
@@ -483,6 +548,21 @@ impl GatewayArgs {
         config.trusted_proxies = self.trusted_proxy;
         config.admin_listen = self.admin_listen;
         config.admin_token_file = self.admin_token_file;
+        config.tls = self
+            .tls_cert
+            .zip(self.tls_key)
+            .map(|(cert, key)| crate::tls::ListenerTls {
+                cert,
+                key,
+                client_ca: self.tls_client_ca,
+            });
+        config.scope_from = self.scope_from;
+        config.upstream_tls = crate::tls::UpstreamTls {
+            ca: self.upstream_ca,
+            client_cert: self.upstream_client_cert,
+            client_key: self.upstream_client_key,
+        };
+        config.upstream_http2 = self.upstream_http2;
         config.validate()?;
         Ok(config)
     }
@@ -576,6 +656,49 @@ pub struct GatewayConfig {
     /// reloads the routes and the per-request settings from it on SIGHUP
     /// and when the file changes (see [`reload`]). Default none.
     pub config_source: Option<file::ConfigSource>,
+    /// TLS on the listener (`--tls-cert`, `--tls-key`, `--tls-client-ca`);
+    /// default none: plain HTTP.
+    pub tls: Option<crate::tls::ListenerTls>,
+    /// What scopes a key (`--scope-from`, default [`ScopeFrom::Headers`]).
+    /// [`ScopeFrom::ClientCert`] needs [`Self::tls`] with a client CA.
+    pub scope_from: ScopeFrom,
+    /// How an `https://` upstream is trusted and what it is shown
+    /// (`--upstream-ca`, `--upstream-client-cert/-key`); default: the
+    /// system's roots, no client certificate.
+    pub upstream_tls: crate::tls::UpstreamTls,
+    /// HTTP/2 to the upstream (`--upstream-http2`; default false: HTTP/1.1).
+    pub upstream_http2: bool,
+}
+
+/// What scopes a key (`--scope-from`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ScopeFrom {
+    /// The `--scope-header` headers' values (the default).
+    #[default]
+    Headers,
+    /// The verified TLS client certificate (SHA-256 of its DER bytes).
+    ClientCert,
+}
+
+impl std::fmt::Display for ScopeFrom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ScopeFrom::Headers => "headers",
+            ScopeFrom::ClientCert => "client-cert",
+        })
+    }
+}
+
+/// Parses `--scope-from`: `headers` or `client-cert`.
+///
+/// # Errors
+/// A message naming the two accepted values.
+pub fn parse_scope_from(raw: &str) -> Result<ScopeFrom, String> {
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "headers" => Ok(ScopeFrom::Headers),
+        "client-cert" => Ok(ScopeFrom::ClientCert),
+        other => Err(format!("{other:?}: expected `headers` or `client-cert`")),
+    }
 }
 
 impl GatewayConfig {
@@ -600,6 +723,10 @@ impl GatewayConfig {
             admin_token_file: None,
             routes: Vec::new(),
             config_source: None,
+            tls: None,
+            scope_from: ScopeFrom::Headers,
+            upstream_tls: crate::tls::UpstreamTls::default(),
+            upstream_http2: false,
         }
     }
 
