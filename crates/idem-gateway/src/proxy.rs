@@ -10,11 +10,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
-use http::uri::{Authority, PathAndQuery};
+use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use idem_http::{normalize_path, problem, BoxBody, BoxError, Disposition};
@@ -22,6 +21,9 @@ use ipnet::IpNet;
 use std::borrow::Cow;
 use tower_http::timeout::{TimeoutBody, TimeoutError};
 use tracing::Instrument;
+
+use crate::tls::upstream::{is_handshake_refusal, Connector};
+use crate::tls::{TlsError, UpstreamTls};
 
 /// Hop-by-hop fields (RFC 9110 §7.6.1) and their removal, shared with the
 /// layer's replays; `Idempotency-Key` is kept even when `Connection` names it.
@@ -124,6 +126,8 @@ pub fn append_forwarded_for(headers: &mut HeaderMap, client: IpAddr) {
 /// peers whose forwarding fields are trusted.
 #[derive(Debug)]
 pub(crate) struct Upstream {
+    /// `http` or `https`.
+    scheme: Scheme,
     authority: Authority,
     host: HeaderValue,
     /// Path prefix without a trailing slash ("" for none), normalised.
@@ -133,6 +137,10 @@ pub(crate) struct Upstream {
 }
 
 impl Upstream {
+    /// The scheme (`http` or `https`; `http` when the URI has none) and
+    /// the authority are kept as given: the `Host` sent upstream is the
+    /// URL's authority, with its port only when the URL names one.
+    ///
     /// # Errors
     /// A message for a URI without a host, or whose path prefix is not a
     /// normalised path ([`normalize_path`]: no `..`, `//`, `%2F`, …), since
@@ -157,6 +165,7 @@ impl Upstream {
             }
         }
         Ok(Self {
+            scheme: uri.scheme().cloned().unwrap_or(Scheme::HTTP),
             authority,
             host,
             prefix,
@@ -196,7 +205,7 @@ impl Upstream {
             format!("{}{pq}", self.prefix).parse().ok()?
         };
         Uri::builder()
-            .scheme("http")
+            .scheme(self.scheme.clone())
             .authority(self.authority.clone())
             .path_and_query(pq)
             .build()
@@ -205,30 +214,108 @@ impl Upstream {
 }
 
 /// The HTTP client used for every upstream call: pooled keep-alive
-/// connections over plain TCP.
-pub(crate) type UpstreamClient = Client<HttpConnector, BoxBody>;
+/// connections over TCP, TLS for an `https://` upstream
+/// ([`crate::tls::upstream`]); HTTP/1.1, or HTTP/2 only with
+/// `--upstream-http2` (prior knowledge h2c to an `http://` upstream, ALPN
+/// `h2` over TLS).
+#[derive(Clone, Debug)]
+pub(crate) struct UpstreamClient {
+    client: Client<Connector, BoxBody>,
+    /// HTTP/2 to the upstream (`--upstream-http2`).
+    http2: bool,
+}
 
-/// The upstream client. `upstream_timeout` bounds the TCP connect (half of
-/// it, at most 5 s); `idle_timeout` (`--upstream-idle-timeout`) is how long
-/// a pooled keep-alive connection may sit unused before it is dropped
-/// rather than reused.
+/// The upstream client for `upstream` (its scheme says whether TLS is
+/// used). `tls` (`--upstream-ca`, `--upstream-client-cert/-key`) is read
+/// only for an `https://` upstream. `upstream_timeout` bounds the connect,
+/// TCP and TLS handshake together (half of it, at most 5 s);
+/// `idle_timeout` (`--upstream-idle-timeout`) is how long a pooled
+/// keep-alive connection may sit unused before it is dropped rather than
+/// reused.
 ///
 /// The idle timeout must stay below the upstream's own keep-alive timeout
 /// (Node.js 5 s, gunicorn 2 s, …): a request written to a connection the
 /// upstream is closing at that moment fails with "connection closed before
 /// message completed", an outcome the gateway cannot know, so the key is
 /// held for its lease.
-pub(crate) fn client(upstream_timeout: Duration, idle_timeout: Duration) -> UpstreamClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
+///
+/// # Errors
+/// A [`TlsError`] for an `https://` upstream whose TLS files cannot be
+/// used, or when no CA is given and no system root loads
+/// ([`crate::tls::upstream::client_config`]).
+pub(crate) fn client(
+    upstream: &Uri,
+    tls: &UpstreamTls,
+    http2: bool,
+    upstream_timeout: Duration,
+    idle_timeout: Duration,
+) -> Result<UpstreamClient, TlsError> {
+    let tls = if upstream.scheme() == Some(&Scheme::HTTPS) {
+        Some(crate::tls::upstream::client_config(tls, http2)?)
+    } else {
+        None
+    };
     // Shorter than the whole upstream timeout, so a host that does not
-    // answer the TCP handshake is reported as "unreachable" (nothing sent,
-    // key released) rather than as a timeout of unknown outcome.
-    connector.set_connect_timeout(Some((upstream_timeout / 2).min(Duration::from_secs(5))));
-    Client::builder(TokioExecutor::new())
+    // answer the TCP or TLS handshake is reported as "unreachable" (nothing
+    // sent, key released) rather than as a timeout of unknown outcome.
+    let connect_timeout = (upstream_timeout / 2).min(Duration::from_secs(5));
+    let connector = Connector::new(tls, connect_timeout, http2);
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder
         .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(idle_timeout)
-        .build(connector)
+        .pool_idle_timeout(idle_timeout);
+    if http2 {
+        builder.http2_only(true).timer(TokioTimer::new());
+    }
+    Ok(UpstreamClient {
+        client: builder.build(connector),
+        http2,
+    })
+}
+
+/// Whether a failed upstream call reached nothing: the connection could
+/// not be made (refused, timed out, a failed TLS handshake), or the
+/// upstream's TLS layer refused it by an alert ([`is_handshake_refusal`],
+/// e.g. a client certificate it requires and did not get).
+fn nothing_sent(e: &hyper_util::client::legacy::Error) -> bool {
+    e.is_connect() || is_handshake_refusal(e)
+}
+
+/// Whether the client's `TE` lists `trailers` (RFC 9110 §10.1.4): it takes
+/// trailer fields, so the upstream may send them.
+fn accepts_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| t.split(';').next())
+        .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
+}
+
+/// The `Trailer` fields of a message, which [`strip_hop_by_hop`] removes
+/// but which are end-to-end (RFC 9110 §6.6.2): HTTP/1.1 (hyper) sends only
+/// the trailer fields a message announced in them.
+fn announced_trailers(headers: &HeaderMap) -> Vec<HeaderValue> {
+    headers.get_all(header::TRAILER).iter().cloned().collect()
+}
+
+/// Puts back the `Trailer` fields taken by [`announced_trailers`].
+fn announce_trailers(headers: &mut HeaderMap, trailer: Vec<HeaderValue>) {
+    for v in trailer {
+        headers.append(header::TRAILER, v);
+    }
+}
+
+/// Forwards the client's `TE: trailers` to the upstream, the one `TE`
+/// allowed in HTTP/2 (RFC 9113 §8.2.2; gRPC requires it). Over HTTP/1.1 the
+/// `TE` connection option goes with it (RFC 9110 §10.1.4); HTTP/2 has no
+/// `Connection` field (§8.2.2).
+fn forward_te(headers: &mut HeaderMap, http2: bool) {
+    headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    if !http2 {
+        headers.append(header::CONNECTION, HeaderValue::from_static("te"));
+    }
 }
 
 /// Forwards one request to the upstream. Cloned per connection with the
@@ -289,7 +376,7 @@ fn record_upstream<B>(
             span.record("http.response.status_code", resp.status().as_u16());
             resp.status().is_server_error().then_some("http-status")
         }
-        Ok(Err(e)) if e.is_connect() => Some("connect"),
+        Ok(Err(e)) if nothing_sent(e) => Some("connect"),
         Ok(Err(_)) => Some("connection"),
         Err(_) => Some("timeout"),
     };
@@ -337,7 +424,13 @@ impl Proxy {
         });
 
         let headers = &mut parts.headers;
+        let te_trailers = accepts_trailers(headers);
+        let trailer = announced_trailers(headers);
         strip_hop_by_hop(headers);
+        announce_trailers(headers, trailer);
+        if te_trailers {
+            forward_te(headers, self.client.http2);
+        }
         // `Expect: 100-continue` was answered by this hop's server already.
         headers.remove(header::EXPECT);
         let trusted = self.upstream.trusts(self.peer.ip());
@@ -356,7 +449,7 @@ impl Proxy {
         let started = std::time::Instant::now();
         let sent = tokio::time::timeout(
             self.timeout,
-            self.client.request(Request::from_parts(parts, body)),
+            self.client.client.request(Request::from_parts(parts, body)),
         )
         .instrument(span.clone())
         .await;
@@ -383,7 +476,10 @@ impl Proxy {
             }
             Ok(Ok(resp)) => {
                 let (mut parts, body) = resp.into_parts();
+                let trailer = announced_trailers(&parts.headers);
                 strip_hop_by_hop(&mut parts.headers);
+                announce_trailers(&mut parts.headers, trailer);
+                let version = parts.version;
                 // Only the gateway says whether an answer is a replay, on
                 // guarded and unguarded requests alike.
                 parts.headers.remove("idempotent-replayed");
@@ -392,9 +488,10 @@ impl Proxy {
                 // into HTTP/1.0 (hyper would then close the client's
                 // keep-alive connection).
                 parts.version = Version::HTTP_11;
-                Response::from_parts(parts, UpstreamBody::new(body, self.timeout).boxed_unsync())
+                let body = UpstreamBody::new(body, self.timeout, version);
+                Response::from_parts(parts, body.boxed_unsync())
             }
-            Ok(Err(e)) if e.is_connect() => {
+            Ok(Err(e)) if nothing_sent(&e) => {
                 tracing::warn!(%method, %path, error = %error_chain(&e), "upstream unreachable; nothing was sent");
                 with_disposition(
                     problem(
@@ -447,6 +544,12 @@ pin_project_lite::pin_project! {
     /// buffering it), an error that names the timeout ([`BodyIdle`]), and the
     /// end after an error.
     ///
+    /// Every frame is passed on, trailers included. Over HTTP/1.1 a body
+    /// whose declared length is used up has ended (trailers need chunked
+    /// coding, which has no length); over HTTP/2 trailers may follow a body
+    /// of any declared length (RFC 9113 §8.1), so the end is only the inner
+    /// body's.
+    ///
     /// The error reaches the idempotency layer like any broken body: within
     /// `--retention-limit` the caller gets 502 `upstream-failed` and the key is
     /// held until its lease ends; past it, the streamed response is cut short.
@@ -458,17 +561,21 @@ pin_project_lite::pin_project! {
         left: SizeHint,
         // The body ended or failed: no more frames.
         ended: bool,
+        // Trailers may follow the declared length (HTTP/2).
+        trailers_after_length: bool,
     }
 }
 
 impl<B: Body> UpstreamBody<B> {
-    /// Wraps `body`; must be polled within a Tokio runtime.
-    pub(crate) fn new(body: B, timeout: Duration) -> Self {
+    /// Wraps `body`, of a response in `version`; must be polled within a
+    /// Tokio runtime.
+    pub(crate) fn new(body: B, timeout: Duration, version: Version) -> Self {
         Self {
             left: body.size_hint(),
             body: TimeoutBody::new(timeout, body),
             timeout,
             ended: false,
+            trailers_after_length: version >= Version::HTTP_2,
         }
     }
 }
@@ -516,7 +623,7 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || self.left.exact() == Some(0)
+        self.ended || (!self.trailers_after_length && self.left.exact() == Some(0))
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -674,6 +781,7 @@ mod tests {
         let mut body = std::pin::pin!(UpstreamBody::new(
             http_body_util::StreamBody::new(stalled),
             Duration::from_secs(2),
+            Version::HTTP_11,
         ));
         assert!(body.frame().await.unwrap().is_ok());
         assert!(body.frame().await.unwrap().is_ok());
@@ -691,6 +799,7 @@ mod tests {
         let mut body = std::pin::pin!(UpstreamBody::new(
             http_body_util::Full::new(Bytes::from_static(b"abcd")),
             Duration::from_secs(1),
+            Version::HTTP_11,
         ));
         assert_eq!(body.size_hint().exact(), Some(4));
         assert!(!body.is_end_stream());
@@ -704,6 +813,7 @@ mod tests {
         let mut body = std::pin::pin!(UpstreamBody::new(
             http_body_util::StreamBody::new(frames(3)),
             Duration::from_secs(1),
+            Version::HTTP_11,
         ));
         let mut got = Vec::new();
         while let Some(frame) = body.frame().await {

@@ -268,7 +268,7 @@ impl Gateway {
         let health = Health::new(store.clone(), kind, config.store.expose());
         // The layer wraps the store (store call metrics): the admin API and
         // the purge task use it as the layer does.
-        let routes = Routes::new(&config, store, health.clone(), recent, upstream);
+        let routes = Routes::new(&config, store, health.clone(), recent, upstream)?;
         let store = routes.layer.store().clone();
         let admin_stop = tokio_util::sync::CancellationToken::new();
         let _admin_stop_on_exit = admin_stop.clone().drop_guard();
@@ -420,7 +420,7 @@ impl Routes {
         health: Arc<Health>,
         recent: Option<Arc<Recent>>,
         upstream: Arc<Upstream>,
-    ) -> Self {
+    ) -> Result<Self, ConfigError> {
         let mut options = config.layer.clone();
         if let Some(recent) = recent {
             options.fail_open = Some(recent);
@@ -429,18 +429,26 @@ impl Routes {
         let layer = IdempotencyLayer::from_parts(store.clone(), options)
             .with_routes(config.routes.clone())
             .expect("routes are validated with the configuration");
-        Self {
+        let client = proxy::client(
+            &config.upstream,
+            &config.upstream_tls,
+            config.upstream_http2,
+            config.upstream_timeout,
+            config.upstream_idle_timeout,
+        )
+        .map_err(ConfigError::UpstreamTls)?;
+        Ok(Self {
             tokens: Arc::new(TokenEndpoint {
                 layer: layer.clone(),
                 served: config.tokens_served(),
             }),
             layer,
-            client: proxy::client(config.upstream_timeout, config.upstream_idle_timeout),
+            client,
             upstream,
             upstream_timeout: config.upstream_timeout,
             upstream_duration: metrics::histogram!(admin::metrics::UPSTREAM_DURATION),
             health,
-        }
+        })
     }
 
     /// The service for one connection from `peer`.

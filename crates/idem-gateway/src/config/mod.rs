@@ -89,8 +89,10 @@ pub struct GatewayArgs {
     )]
     pub listen: SocketAddr,
 
-    /// The service to protect, an `http://host:port[/prefix]` URL (https is
-    /// not supported yet). A path prefix is put in front of every request
+    /// The service to protect, an `http://host[:port][/prefix]` or
+    /// `https://host[:port][/prefix]` URL (default ports 80 and 443; an
+    /// https upstream's certificate is checked against the host, see
+    /// `--upstream-ca`). A path prefix is put in front of every request
     /// path. Required: here, in IDEM_UPSTREAM or in the configuration file.
     #[arg(long, env = "IDEM_UPSTREAM", value_name = "URL", value_parser = parse_upstream)]
     pub upstream: Option<Uri>,
@@ -422,9 +424,11 @@ pub struct GatewayArgs {
     pub upstream_client_key: Option<std::path::PathBuf>,
 
     /// Speak HTTP/2 to the upstream: with prior knowledge (h2c) to an
-    /// `http://` upstream; over TLS, only h2 is offered in ALPN. Needed for
-    /// gRPC services. Default: HTTP/1.1 (over TLS, ALPN offers both and the
-    /// upstream picks). The variable takes true/false, yes/no, on/off, 1/0.
+    /// `http://` upstream; over TLS, only h2 is offered in ALPN (an upstream
+    /// that does not select it is unreachable). Needed for gRPC services.
+    /// Default: HTTP/1.1 only (over TLS, ALPN offers only http/1.1, so
+    /// protocol upgrades such as WebSocket keep working). The variable takes
+    /// true/false, yes/no, on/off, 1/0.
     #[arg(
         long,
         env = "IDEM_UPSTREAM_HTTP2",
@@ -579,7 +583,8 @@ pub struct GatewayConfig {
     /// Listening address (default [`DEFAULT_LISTEN`], `127.0.0.1:8000`;
     /// port 0 picks a free port, see [`crate::Gateway::local_addr`]).
     pub listen: SocketAddr,
-    /// The upstream, `http://host:port[/prefix]`.
+    /// The upstream, `http://host[:port][/prefix]` or
+    /// `https://host[:port][/prefix]` ([`parse_upstream`]).
     pub upstream: Uri,
     /// Store URL (default [`DEFAULT_STORE`], `sqlite://idem.db`), see
     /// [`crate::open_store`]; shown with its password as `***`.
@@ -772,6 +777,44 @@ impl GatewayConfig {
         })
     }
 
+    /// Checks the TLS settings of the upstream: `--upstream-ca` and
+    /// `--upstream-client-cert/-key` only for an `https://` upstream (for an
+    /// `http://` one they would do nothing while seeming to protect it), the
+    /// client certificate and key both or neither, and, for an `https://`
+    /// upstream, that its TLS configuration can be built from the files
+    /// (each is read and parsed now; the system roots are loaded when no
+    /// CA is named).
+    ///
+    /// # Errors
+    /// [`ConfigError::UpstreamTlsSettings`] or [`ConfigError::UpstreamTls`].
+    fn check_upstream_tls(&self) -> Result<(), ConfigError> {
+        let tls = &self.upstream_tls;
+        if tls.client_cert.is_some() != tls.client_key.is_some() {
+            return Err(ConfigError::UpstreamTlsSettings(
+                "--upstream-client-cert and --upstream-client-key go together: give both or neither"
+                    .into(),
+            ));
+        }
+        if self.upstream.scheme() != Some(&http::uri::Scheme::HTTPS) {
+            if let Some(flag) = [
+                (tls.ca.is_some(), "--upstream-ca"),
+                (tls.client_cert.is_some(), "--upstream-client-cert"),
+            ]
+            .into_iter()
+            .find_map(|(set, flag)| set.then_some(flag))
+            {
+                return Err(ConfigError::UpstreamTlsSettings(format!(
+                    "{flag} applies to an https:// upstream only, and --upstream is {};                      use an https:// URL or drop {flag}",
+                    self.upstream
+                )));
+            }
+            return Ok(());
+        }
+        crate::tls::upstream::client_config(tls, self.upstream_http2)
+            .map(drop)
+            .map_err(ConfigError::UpstreamTls)
+    }
+
     /// Checks the settings together.
     ///
     /// # Errors
@@ -779,6 +822,7 @@ impl GatewayConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let layer = &self.layer;
         parse_upstream(&self.upstream.to_string()).map_err(ConfigError::Upstream)?;
+        self.check_upstream_tls()?;
         if layer.lease < MIN_LEASE {
             return Err(ConfigError::LeaseTooShort { lease: layer.lease });
         }
@@ -1044,6 +1088,16 @@ pub enum ConfigError {
     /// The upstream URL is not usable.
     #[error("--upstream: {0}")]
     Upstream(String),
+    /// A file of `--upstream-ca` or `--upstream-client-cert/-key` cannot be
+    /// read or used, or no system root certificate loads for an `https://`
+    /// upstream without `--upstream-ca`. The message names the flag and
+    /// the file.
+    #[error(transparent)]
+    UpstreamTls(crate::tls::TlsError),
+    /// The upstream TLS settings do not fit together (a client certificate
+    /// without its key, or TLS settings for an `http://` upstream).
+    #[error("{0}")]
+    UpstreamTlsSettings(String),
     /// The store URL is not usable.
     #[error("--store: {0}")]
     Store(#[source] idem_core::StoreError),
@@ -1270,7 +1324,8 @@ pub fn parse_trusted_proxy(s: &str) -> Result<IpNet, String> {
     ))
 }
 
-/// Parses and checks an upstream URL: `http://host[:port][/prefix]`, without
+/// Parses and checks an upstream URL: `http://host[:port][/prefix]` or
+/// `https://host[:port][/prefix]` (the port defaults to 80 and 443), without
 /// user info, query or fragment. Surrounding ASCII whitespace is ignored;
 /// the URL itself must be printable ASCII (percent-encode anything else),
 /// so that its printed form parses back to the same URL.
@@ -1292,15 +1347,10 @@ pub fn parse_upstream(s: &str) -> Result<Uri, String> {
         .parse()
         .map_err(|e| format!("{t:?} is not a valid URL ({e}); expected http://host:port"))?;
     match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
-            return Err(format!(
-                "{t:?}: https upstreams are not supported yet; use an http:// URL"
-            ))
-        }
+        Some("http" | "https") => {}
         Some(other) => {
             return Err(format!(
-                "{t:?}: scheme {other:?} is not supported; use an http:// URL"
+                "{t:?}: scheme {other:?} is not supported; use an http:// or https:// URL"
             ))
         }
         None => return Err(format!("{t:?} has no scheme; expected http://host:port")),
@@ -1744,7 +1794,8 @@ mod tests {
     #[test]
     fn bad_values_are_refused() {
         for args in [
-            vec!["--upstream", "https://x:1"],
+            vec!["--upstream", "https://u:p@x:1"],
+            vec!["--upstream", "https://x:1?q=1"],
             vec!["--upstream", "ftp://x:1"],
             vec!["--upstream", "not a url"],
             vec!["--upstream", "localhost:3000"],
