@@ -75,10 +75,12 @@ fn server_tls(cert: &Issued, client_ca: Option<&TestCa>) -> rustls::ServerConfig
             roots
                 .add(CertificateDer::from_pem_slice(ca.cert_pem.as_bytes()).unwrap())
                 .unwrap();
-            let verifier =
-                rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider())
-                    .build()
-                    .unwrap();
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                roots.into(),
+                provider(),
+            )
+            .build()
+            .unwrap();
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
@@ -226,7 +228,12 @@ async fn refused_then_runs(up: &Upstream, wrong: GatewayConfig, right: GatewayCo
     let bad = start(wrong, &store).await;
     let got = post(&c, &bad.url("/orders"), Some(&k), "{}").await;
     assert_eq!(got.status, 502, "{}", got.text());
-    assert_eq!(got.problem_type(), "urn:idem:problem:upstream-unreachable", "{}", got.text());
+    assert_eq!(
+        got.problem_type(),
+        "urn:idem:problem:upstream-unreachable",
+        "{}",
+        got.text()
+    );
     assert_eq!(up.seen.hits(), 0, "nothing may reach the upstream");
     let good = start(right, &store).await;
     let got = post(&c, &good.url("/orders"), Some(&k), "{}").await;
@@ -314,9 +321,15 @@ async fn a_client_certificate_from_a_ca_the_upstream_does_not_trust_is_refused()
         .issue(&["gateway"], Usage::Client)
         .write(pki.dir.path(), "good");
     let mut wrong = https_config(&up, "localhost", Some(&pki.ca_file));
-    (wrong.upstream_tls.client_cert, wrong.upstream_tls.client_key) = (Some(stranger.0), Some(stranger.1));
+    (
+        wrong.upstream_tls.client_cert,
+        wrong.upstream_tls.client_key,
+    ) = (Some(stranger.0), Some(stranger.1));
     let mut right = https_config(&up, "localhost", Some(&pki.ca_file));
-    (right.upstream_tls.client_cert, right.upstream_tls.client_key) = (Some(good.0), Some(good.1));
+    (
+        right.upstream_tls.client_cert,
+        right.upstream_tls.client_key,
+    ) = (Some(good.0), Some(good.1));
     refused_then_runs(&up, wrong, right).await;
 }
 
@@ -334,8 +347,14 @@ async fn http2_over_tls_is_negotiated_by_alpn_only_with_the_flag() {
     let got = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
     assert_eq!(got.status, 201, "{}", got.text());
     assert_eq!(got.text(), "execution 1 over HTTP/2.0");
-    assert!(post(&c, &gw.url("/orders"), Some(&k), "{}").await.replayed());
-    let plain = start(https_config(&up, "localhost", Some(&pki.ca_file)), &memory()).await;
+    assert!(post(&c, &gw.url("/orders"), Some(&k), "{}")
+        .await
+        .replayed());
+    let plain = start(
+        https_config(&up, "localhost", Some(&pki.ca_file)),
+        &memory(),
+    )
+    .await;
     let got = post(&c, &plain.url("/orders"), None, "{}").await;
     assert_eq!(got.status, 201, "{}", got.text());
     assert_eq!(up.seen.versions(), [Version::HTTP_2, Version::HTTP_11]);
@@ -366,7 +385,9 @@ async fn h2c_prior_knowledge_to_an_http_upstream() {
     let got = post(&client, &gw.url("/orders"), Some(&k), "{}").await;
     assert_eq!(got.status, 201, "{}", got.text());
     assert_eq!(got.text(), "execution 1 over HTTP/2.0");
-    assert!(post(&client, &gw.url("/orders"), Some(&k), "{}").await.replayed());
+    assert!(post(&client, &gw.url("/orders"), Some(&k), "{}")
+        .await
+        .replayed());
     // Several requests share the one HTTP/2 connection.
     for _ in 0..3 {
         assert_eq!(post(&client, &gw.url("/x"), None, "{}").await.status, 201);
@@ -407,42 +428,57 @@ async fn unusable_tls_files_are_refused_at_start_naming_the_flag_and_file() {
     };
 
     let e = refused(with(&|c| c.upstream_tls.ca = Some(missing.clone()))).await;
-    assert!(e.contains("--upstream-ca") && e.contains("missing.pem"), "{e}");
+    assert!(
+        e.contains("--upstream-ca") && e.contains("missing.pem"),
+        "{e}"
+    );
     let e = refused(with(&|c| c.upstream_tls.ca = Some(garbage.clone()))).await;
-    assert!(e.contains("--upstream-ca") && e.contains("garbage.pem"), "{e}");
+    assert!(
+        e.contains("--upstream-ca") && e.contains("garbage.pem"),
+        "{e}"
+    );
 
     let (cert, key) = pki
         .ca
         .issue(&["gateway"], Usage::Client)
         .write(dir, "client");
-    let (_, other_key) = pki
-        .ca
-        .issue(&["other"], Usage::Client)
-        .write(dir, "other");
+    let (_, other_key) = pki.ca.issue(&["other"], Usage::Client).write(dir, "other");
     let e = refused(with(&|c| {
         c.upstream_tls.client_cert = Some(garbage.clone());
         c.upstream_tls.client_key = Some(key.clone());
     }))
     .await;
-    assert!(e.contains("--upstream-client-cert") && e.contains("garbage.pem"), "{e}");
+    assert!(
+        e.contains("--upstream-client-cert") && e.contains("garbage.pem"),
+        "{e}"
+    );
     let e = refused(with(&|c| {
         c.upstream_tls.client_cert = Some(cert.clone());
         c.upstream_tls.client_key = Some(garbage.clone());
     }))
     .await;
-    assert!(e.contains("--upstream-client-key") && e.contains("garbage.pem"), "{e}");
+    assert!(
+        e.contains("--upstream-client-key") && e.contains("garbage.pem"),
+        "{e}"
+    );
     let e = refused(with(&|c| {
         c.upstream_tls.client_cert = Some(cert.clone());
         c.upstream_tls.client_key = Some(missing.clone());
     }))
     .await;
-    assert!(e.contains("--upstream-client-key") && e.contains("missing.pem"), "{e}");
+    assert!(
+        e.contains("--upstream-client-key") && e.contains("missing.pem"),
+        "{e}"
+    );
     let e = refused(with(&|c| {
         c.upstream_tls.client_cert = Some(cert.clone());
         c.upstream_tls.client_key = Some(other_key.clone());
     }))
     .await;
-    assert!(e.contains("--upstream-client-cert/--upstream-client-key"), "{e}");
+    assert!(
+        e.contains("--upstream-client-cert/--upstream-client-key"),
+        "{e}"
+    );
     assert!(e.to_lowercase().contains("key"), "{e}");
     let e = refused(with(&|c| c.upstream_tls.client_cert = Some(cert.clone()))).await;
     assert!(e.contains("--upstream-client-key"), "{e}");
@@ -477,7 +513,11 @@ async fn an_early_hints_103_gives_the_client_the_final_response_intact() {
     assert_eq!(got.status, 200, "{}", got.text());
     assert_eq!(got.text(), "final");
     assert_eq!(got.header("x-final").as_deref(), Some("yes"));
-    assert_eq!(got.header("link"), None, "the 103's fields are not merged in");
+    assert_eq!(
+        got.header("link"),
+        None,
+        "the 103's fields are not merged in"
+    );
     // A guarded request: the final answer is the one stored and replayed.
     let k = common::key("103");
     let first = post(&c, &gw.url("/orders"), Some(&k), "{}").await;
