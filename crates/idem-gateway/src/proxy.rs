@@ -282,7 +282,9 @@ fn nothing_sent(e: &hyper_util::client::legacy::Error) -> bool {
 }
 
 /// Whether the client's `TE` lists `trailers` (RFC 9110 §10.1.4): it takes
-/// trailer fields, so the upstream may send them.
+/// trailer fields, so the upstream may send them. Passed on to an HTTP/2
+/// upstream only: an HTTP/1.1 request is forwarded without `TE` (and
+/// without `Trailer`), as before HTTP/2 support.
 fn accepts_trailers(headers: &HeaderMap) -> bool {
     headers
         .get_all(header::TE)
@@ -293,9 +295,10 @@ fn accepts_trailers(headers: &HeaderMap) -> bool {
         .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
 }
 
-/// The `Trailer` fields of a message, which [`strip_hop_by_hop`] removes
-/// but which are end-to-end (RFC 9110 §6.6.2): HTTP/1.1 (hyper) sends only
-/// the trailer fields a message announced in them.
+/// The `Trailer` fields of a response, which [`strip_hop_by_hop`] removes
+/// but which are end-to-end (RFC 9110 §6.6.2): to an HTTP/1.1 client
+/// (that sent `TE: trailers`, on a chunked response) hyper sends only the
+/// trailer fields the response announced in them.
 fn announced_trailers(headers: &HeaderMap) -> Vec<HeaderValue> {
     headers.get_all(header::TRAILER).iter().cloned().collect()
 }
@@ -304,17 +307,6 @@ fn announced_trailers(headers: &HeaderMap) -> Vec<HeaderValue> {
 fn announce_trailers(headers: &mut HeaderMap, trailer: Vec<HeaderValue>) {
     for v in trailer {
         headers.append(header::TRAILER, v);
-    }
-}
-
-/// Forwards the client's `TE: trailers` to the upstream, the one `TE`
-/// allowed in HTTP/2 (RFC 9113 §8.2.2; gRPC requires it). Over HTTP/1.1 the
-/// `TE` connection option goes with it (RFC 9110 §10.1.4); HTTP/2 has no
-/// `Connection` field (§8.2.2).
-fn forward_te(headers: &mut HeaderMap, http2: bool) {
-    headers.insert(header::TE, HeaderValue::from_static("trailers"));
-    if !http2 {
-        headers.append(header::CONNECTION, HeaderValue::from_static("te"));
     }
 }
 
@@ -424,12 +416,11 @@ impl Proxy {
         });
 
         let headers = &mut parts.headers;
-        let te_trailers = accepts_trailers(headers);
-        let trailer = announced_trailers(headers);
+        let te_trailers = self.client.http2 && accepts_trailers(headers);
         strip_hop_by_hop(headers);
-        announce_trailers(headers, trailer);
         if te_trailers {
-            forward_te(headers, self.client.http2);
+            // The one `TE` allowed in HTTP/2 (RFC 9113 §8.2.2); gRPC needs it.
+            headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
         // `Expect: 100-continue` was answered by this hop's server already.
         headers.remove(header::EXPECT);
