@@ -815,10 +815,71 @@ mod tests {
     }
 
     #[test]
+    fn te_trailers_is_found_in_any_list() {
+        for (te, yes) in [
+            ("trailers", true),
+            ("gzip, Trailers", true),
+            ("deflate;q=0.5, trailers;q=1", true),
+            ("gzip", false),
+            ("trailersx", false),
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(header::TE, HeaderValue::from_static(te));
+            assert_eq!(accepts_trailers(&h), yes, "{te}");
+        }
+        assert!(!accepts_trailers(&HeaderMap::new()));
+    }
+
+    #[tokio::test]
+    async fn over_http2_trailers_may_follow_the_declared_length() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let frames: Vec<Result<Frame<Bytes>, Infallible>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"abcd"))),
+            Ok(Frame::trailers(trailers)),
+        ];
+        let inner = http_body_util::StreamBody::new(futures::stream::iter(frames));
+        // A declared length, as hyper reports for `content-length: 4`.
+        struct Declared<B>(B);
+        impl<B: Body + Unpin> Body for Declared<B> {
+            type Data = B::Data;
+            type Error = B::Error;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+                Pin::new(&mut self.0).poll_frame(cx)
+            }
+            fn size_hint(&self) -> SizeHint {
+                SizeHint::with_exact(4)
+            }
+        }
+        let mut body = std::pin::pin!(UpstreamBody::new(
+            Declared(inner),
+            Duration::from_secs(1),
+            Version::HTTP_2,
+        ));
+        assert!(body.frame().await.unwrap().unwrap().is_data());
+        assert!(!body.is_end_stream(), "the trailers are still to come");
+        let t = body
+            .frame()
+            .await
+            .unwrap()
+            .unwrap()
+            .into_trailers()
+            .unwrap();
+        assert_eq!(t["grpc-status"], "0");
+        assert!(body.frame().await.is_none());
+    }
+
+    #[test]
     fn upstream_uris_keep_path_and_query_under_the_prefix() {
         let up = Upstream::new(&"http://127.0.0.1:9/api/".parse().unwrap()).unwrap();
         let u = up.uri_for(&"/orders?x=1&y=%20".parse().unwrap()).unwrap();
         assert_eq!(u.to_string(), "http://127.0.0.1:9/api/orders?x=1&y=%20");
+        let up = Upstream::new(&"https://example.test/api".parse().unwrap()).unwrap();
+        let u = up.uri_for(&"/a".parse().unwrap()).unwrap();
+        assert_eq!(u.to_string(), "https://example.test/api/a");
         let up = Upstream::new(&"http://example.test".parse().unwrap()).unwrap();
         let u = up
             .uri_for(&"http://gw.test/a/b?q".parse().unwrap())

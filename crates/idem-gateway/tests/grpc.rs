@@ -317,9 +317,14 @@ async fn trailer_echo() -> (SocketAddr, JoinHandle<()>) {
                             Ok(Frame::data(collected.to_bytes())),
                             Ok(Frame::trailers(trailers)),
                         ];
-                        Ok::<_, Infallible>(http::Response::new(StreamBody::new(
-                            futures::stream::iter(frames),
-                        )))
+                        let mut resp =
+                            http::Response::new(StreamBody::new(futures::stream::iter(frames)));
+                        // Announced, for an HTTP/1.1 client of the gateway.
+                        resp.headers_mut().insert(
+                            "trailer",
+                            HeaderValue::from_static("x-upstream, x-checksum"),
+                        );
+                        Ok::<_, Infallible>(resp)
                     },
                 );
                 let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
@@ -367,4 +372,32 @@ async fn http2_trailers_pass_in_both_directions_on_an_unguarded_request() {
         "the request's trailers reached the upstream"
     );
     assert_eq!(collected.to_bytes(), "payload");
+}
+
+#[tokio::test]
+async fn an_http1_client_asking_for_trailers_gets_them_from_an_http2_upstream() {
+    let (up, _task) = trailer_echo().await;
+    let mut config = common::config(&format!("http://{up}"));
+    config.upstream_http2 = true;
+    let gw = common::gateway_with(config, Arc::new(MemoryStore::new())).await;
+    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::builder()
+        .method("GET")
+        .uri("/stream")
+        .header("host", "gw")
+        .header("te", "trailers")
+        .body(http_body_util::Empty::<Bytes>::new())
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let collected = resp.into_body().collect().await.unwrap();
+    let trailers = collected
+        .trailers()
+        .cloned()
+        .expect("response trailers over HTTP/1.1");
+    assert_eq!(trailers["x-upstream"], "done");
 }
