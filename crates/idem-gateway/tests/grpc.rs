@@ -401,3 +401,57 @@ async fn an_http1_client_asking_for_trailers_gets_them_from_an_http2_upstream() 
         .expect("response trailers over HTTP/1.1");
     assert_eq!(trailers["x-upstream"], "done");
 }
+
+/// The documented policy for a guarded request: the first caller gets the
+/// upstream's trailers (the layer buffers the body with them), the stored
+/// result has none, so a replay carries none; the request's own trailers
+/// are not forwarded (its body is buffered as data).
+#[tokio::test]
+async fn a_guarded_response_keeps_its_trailers_for_the_first_caller_only() {
+    let (up, _task) = trailer_echo().await;
+    let mut config = common::config(&format!("http://{up}"));
+    config.upstream_http2 = true;
+    let gw = common::gateway_with(config, Arc::new(MemoryStore::new())).await;
+    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let k = common::key("guarded-trailers");
+    let mut calls = Vec::new();
+    for _ in 0..2 {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-checksum", HeaderValue::from_static("abc123"));
+        let frames: Vec<Result<Frame<Bytes>, Infallible>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"{}"))),
+            Ok(Frame::trailers(trailers)),
+        ];
+        let req = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://{}/orders", gw.addr))
+            .header("idempotency-key", k.as_str())
+            .header("content-type", "application/json")
+            .header("te", "trailers")
+            .body(StreamBody::new(futures::stream::iter(frames)))
+            .unwrap();
+        let resp = send.send_request(req).await.unwrap();
+        let replayed = resp.headers().get("idempotent-replayed").cloned();
+        let collected = resp.into_body().collect().await.unwrap();
+        calls.push((replayed, collected.trailers().cloned()));
+    }
+    let (first_replayed, first) = &calls[0];
+    assert_eq!(first_replayed, &None);
+    let first = first.as_ref().expect("the first caller gets the trailers");
+    assert_eq!(first["x-upstream"], "done");
+    assert!(
+        first.get("x-checksum").is_none(),
+        "a guarded request's trailers are not forwarded"
+    );
+    let (again_replayed, again) = &calls[1];
+    assert_eq!(again_replayed.as_ref().unwrap(), "true");
+    assert!(
+        again.as_ref().is_none_or(|t| t.get("x-upstream").is_none()),
+        "a replay carries no trailers: {again:?}"
+    );
+}
