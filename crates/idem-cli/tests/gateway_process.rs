@@ -382,7 +382,24 @@ async fn relative_sqlite_path_is_created_in_the_working_directory() {
 fn bad_configuration_is_refused_with_a_clear_message() {
     let cases: &[(&[&str], &str)] = &[
         (&[], "--upstream"),
-        (&["--upstream", "https://127.0.0.1:1"], "https"),
+        (
+            &[
+                "--upstream",
+                "https://127.0.0.1:1",
+                "--upstream-ca",
+                "/nonexistent/ca.pem",
+            ],
+            "--upstream-ca /nonexistent/ca.pem",
+        ),
+        (
+            &[
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--upstream-ca",
+                "/nonexistent/ca.pem",
+            ],
+            "https://",
+        ),
         (&["--upstream", "not a url"], "--upstream"),
         (
             &["--upstream", "http://127.0.0.1:1", "--lease", "0"],
