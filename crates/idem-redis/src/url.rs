@@ -7,12 +7,29 @@ use idem_core::{RedactedUrl, StoreError};
 use crate::RedisOptions;
 
 /// The `idem_*` parameters of a Redis store URL.
-const PARAMS: &[Param] = &[Param::Text("idem_prefix")];
+const PARAMS: &[Param] = &[
+    Param::Text("idem_prefix"),
+    Param::Text("idem_tls_ca"),
+    Param::Text("idem_tls_cert"),
+    Param::Text("idem_tls_key"),
+];
 
 /// A checked Redis store URL: `redis://[user:password@]host[:port][/db]`,
 /// `rediss://…` (TLS), `redis+unix:///path.sock`, or
 /// `redis+cluster://host:port,host:port` (`rediss+cluster://`), with the
-/// options its `idem_prefix` parameter sets.
+/// options its `idem_*` parameters set:
+///
+/// | parameter | meaning |
+/// |---|---|
+/// | `idem_prefix` | [`RedisOptions::key_prefix`] |
+/// | `idem_tls_ca=/path/ca.pem` | `rediss` only: the CA certificate(s), PEM, the server's certificate must chain to, instead of the system's roots (`RedisOptions::tls_root_cert_pem`) |
+/// | `idem_tls_cert=/path/client.crt`, `idem_tls_key=/path/client.key` | `rediss` only, both or neither: the client certificate (chain) and key, PEM, for servers that check clients (`RedisOptions::tls_client`) |
+///
+/// The files are read here, so a missing or malformed one is a
+/// configuration error before anything connects. The server's certificate
+/// is always checked against the host name in the URL: redis-rs's
+/// `#insecure` fragment (no certificate check at all) is refused, as is
+/// any other fragment.
 ///
 /// ```
 /// use idem_redis::RedisUrl;
@@ -38,15 +55,25 @@ pub struct RedisUrl {
 }
 
 impl RedisUrl {
-    /// Reads a Redis store URL without connecting.
+    /// Reads a Redis store URL, and the TLS files it names, without
+    /// connecting.
     ///
     /// # Errors
     /// [`StoreError::Config`] for a scheme that is not a Redis one, a URL
-    /// that names no server, an `idem_*` parameter other than `idem_prefix`,
-    /// an empty, repeated or malformed one, or a prefix that
-    /// [`RedisOptions::validate`] refuses.
+    /// that names no server, a `#` fragment (`#insecure`), an unknown
+    /// `idem_*` parameter, an empty, repeated or malformed one, a prefix
+    /// that [`RedisOptions::validate`] refuses, an `idem_tls_*` parameter on
+    /// a URL without TLS (or in a build without the `tls` feature),
+    /// `idem_tls_cert` without `idem_tls_key` or the other way round, or a
+    /// TLS file that cannot be read or holds no certificate (no key).
     pub fn parse(url: &str) -> Result<Self, StoreError> {
         let u = StoreUrl::parse(url)?;
+        if url.contains('#') {
+            return Err(u.error(
+                "a Redis store URL takes no #fragment; #insecure (no certificate check) is \
+                 refused: trust a private CA with ?idem_tls_ca=/path/ca.pem instead",
+            ));
+        }
         let (cluster, kind) = match u.scheme() {
             "redis" | "rediss" | "redis+unix" => (false, "redis"),
             "redis+cluster" | "rediss+cluster" => (true, "redis-cluster"),
@@ -72,6 +99,8 @@ impl RedisUrl {
                 e => e,
             })?;
         }
+        let tls = u.scheme().starts_with("rediss");
+        options = crate::tls_files::apply(&u, &params, tls, options)?;
         Ok(Self {
             url: params.driver_url().clone(),
             options,
