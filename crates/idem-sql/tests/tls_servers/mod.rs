@@ -188,6 +188,9 @@ fn run(mut cmd: Command, deadline: Instant) {
 /// Starts `server` under a keeper, its output in `dir/server.log`, and
 /// waits until the log holds `ready`; fails naming the command when the
 /// server exits or `deadline` passes first.
+// The keeper is returned running on purpose: it lives as long as this
+// process, and nobody waits for it.
+#[allow(clippy::zombie_processes)]
 fn keep(server: Command, dir: &Path, ready: &str, deadline: Instant) -> Child {
     let line = shown(&server);
     let log = dir.join("server.log");
@@ -210,7 +213,7 @@ rm -rf "$dir""#;
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let child = keeper
+    let mut child = keeper
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start `{line}` (under bash): {e}"));
     loop {
@@ -221,6 +224,9 @@ rm -rf "$dir""#;
         let pid = std::fs::read_to_string(dir.join("server.pid")).unwrap_or_default();
         let gone = !pid.trim().is_empty() && !Path::new(&format!("/proc/{}", pid.trim())).exists();
         if gone || Instant::now() > deadline {
+            // The keeper stops what it started and removes the folder.
+            drop(child.stdin.take());
+            let _ = child.wait();
             let why = if gone {
                 "exited".to_owned()
             } else {
