@@ -189,3 +189,64 @@ async fn client_certificate() {
         "CertificateRequired",
     );
 }
+
+/// A Redis Cluster over TLS (`rediss+cluster://`): the CA given once
+/// reaches every node, the ones found by redirection too; without it the
+/// system's roots refuse the test CA.
+mod cluster {
+    use super::*;
+
+    fn cluster_url(query: &str) -> String {
+        let c = tls_servers::redis_cluster();
+        let nodes: Vec<String> = c.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        format!("rediss+cluster://{}/?{query}", nodes.join(","))
+    }
+
+    async fn cluster_harness() -> SleepingHarness<RedisStore> {
+        let ca = p(&tls_servers::redis_cluster().files.ca);
+        SleepingHarness(
+            open(&cluster_url(&format!("idem_tls_ca={ca}")))
+                .await
+                .unwrap_or_else(|e| panic!("Redis Cluster over TLS: {}", chain(&e))),
+        )
+    }
+
+    idem_testkit::conformance_tests!(@module conformance, cluster_harness;
+        store_checks: [
+            claim_once,
+            concurrent_begins_one_winner,
+            complete_then_replay,
+            release_then_reclaim,
+            get_and_delete,
+            wait_for_change_returns_early_on_complete,
+            purge_expired_removes_only_expired,
+        ]
+        admin_checks: [list_filters_by_state_and_scope]
+        engine_checks: []
+        token_checks: []
+    );
+
+    /// Many keys, so every primary (slot ranges) is written over TLS.
+    #[tokio::test]
+    async fn keys_on_every_primary() {
+        let store = cluster_harness().await.0;
+        for _ in 0..30 {
+            round_trip(&store).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn system_roots_do_not_trust_the_test_ca() {
+        match open(&cluster_url("")).await {
+            Err(e @ (StoreError::Unavailable { .. } | StoreError::Timeout { .. })) => {
+                let text = chain(&e);
+                assert!(
+                    text.contains("UnknownIssuer") || matches!(e, StoreError::Timeout { .. }),
+                    "{text}"
+                );
+            }
+            Err(e) => panic!("not a connect error: {e:?}"),
+            Ok(_) => panic!("the system's roots must not trust the test CA"),
+        }
+    }
+}

@@ -4,7 +4,8 @@
 //! `--require-secure-transport=ON`, and `redis-server` on a TLS port only.
 //! Each has its own free port, its own temporary folder (data, socket, log,
 //! certificates from [`idem_testkit::pki`]) and is started once per test
-//! binary ([`postgres`], [`mariadb`], [`redis`], [`redis_mtls`]: a
+//! binary ([`postgres`], [`mariadb`], [`redis`], [`redis_mtls`],
+//! [`redis_cluster`]: a
 //! `OnceLock`), within [`START_BOUND`], or the test fails naming the
 //! command and showing the server's log.
 //!
@@ -52,10 +53,15 @@ pub struct TlsFiles {
 
 impl TlsFiles {
     fn new(dir: &Path, client_name: &str) -> Self {
+        Self::for_names(dir, &["localhost"], client_name)
+    }
+
+    /// A server certificate for `names` (a Redis Cluster announces its
+    /// nodes by IP address, so its certificate must name that).
+    fn for_names(dir: &Path, names: &[&str], client_name: &str) -> Self {
         let ca = TestCa::new("idem TLS test CA");
         let other = TestCa::new("idem TLS test: another CA");
-        let (server_cert, server_key) =
-            ca.issue(&["localhost"], Usage::Server).write(dir, "server");
+        let (server_cert, server_key) = ca.issue(names, Usage::Server).write(dir, "server");
         let (client_cert, client_key) =
             ca.issue(&[client_name], Usage::Client).write(dir, "client");
         Self {
@@ -92,8 +98,8 @@ pub struct TlsServer {
 /// password, refuses plain TCP, and asks for a client certificate (common
 /// name `postgres`) for the database `certdb`.
 pub fn postgres() -> &'static TlsServer {
-    static S: OnceLock<TlsServer> = OnceLock::new();
-    S.get_or_init(start_postgres)
+    static S: OnceLock<Result<TlsServer, String>> = OnceLock::new();
+    once(&S, start_postgres)
 }
 
 /// MariaDB (`mariadbd`) with `--require-secure-transport=ON`: user `idem`
@@ -101,21 +107,130 @@ pub fn postgres() -> &'static TlsServer {
 /// certificate signed by the CA), user `idem_plain` (no TLS requirement of
 /// its own), database `test`.
 pub fn mariadb() -> &'static TlsServer {
-    static S: OnceLock<TlsServer> = OnceLock::new();
-    S.get_or_init(start_mariadb)
+    static S: OnceLock<Result<TlsServer, String>> = OnceLock::new();
+    once(&S, start_mariadb)
 }
 
 /// `redis-server` on a TLS port only, `--tls-auth-clients no`.
 pub fn redis() -> &'static TlsServer {
-    static S: OnceLock<TlsServer> = OnceLock::new();
-    S.get_or_init(|| start_redis("no"))
+    static S: OnceLock<Result<TlsServer, String>> = OnceLock::new();
+    once(&S, || start_redis("no"))
 }
 
 /// `redis-server` on a TLS port only, `--tls-auth-clients yes`: clients
 /// must show a certificate signed by the CA.
 pub fn redis_mtls() -> &'static TlsServer {
-    static S: OnceLock<TlsServer> = OnceLock::new();
-    S.get_or_init(|| start_redis("yes"))
+    static S: OnceLock<Result<TlsServer, String>> = OnceLock::new();
+    once(&S, || start_redis("yes"))
+}
+
+/// A Redis Cluster of three TLS-only primaries (`--tls-cluster yes`, the
+/// cluster bus over TLS too), its certificate for `127.0.0.1` and
+/// `localhost`, `--tls-auth-clients no`, made with `redis-cli --tls
+/// --cluster create` and up (`cluster_state:ok`) before this returns.
+pub fn redis_cluster() -> &'static TlsCluster {
+    static S: OnceLock<Result<TlsCluster, String>> = OnceLock::new();
+    once(&S, start_redis_cluster)
+}
+
+/// A running TLS Redis Cluster.
+#[derive(Debug)]
+pub struct TlsCluster {
+    /// The primaries' TLS ports on 127.0.0.1.
+    pub ports: Vec<u16>,
+    /// The certificates (in the first node's folder).
+    pub files: TlsFiles,
+    /// One keeper per node.
+    keepers: Mutex<Vec<Child>>,
+}
+
+fn start_redis_cluster() -> TlsCluster {
+    let deadline = Instant::now() + START_BOUND;
+    need("redis-server", "redis-server");
+    need("redis-cli", "redis-tools");
+    let first = fresh_dir("redis-cluster");
+    let files = TlsFiles::for_names(&first, &["127.0.0.1", "localhost"], "idem-client");
+    let mut ports: Vec<u16> = Vec::new();
+    while ports.len() < 3 {
+        // The cluster bus listens on port + 10000.
+        let port = free_port();
+        if port < 55_000 && !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    let mut keepers = Vec::new();
+    for (i, port) in ports.iter().enumerate() {
+        let dir = if i == 0 {
+            first.clone()
+        } else {
+            fresh_dir("redis-cluster")
+        };
+        let mut server = redis_command(&files, *port, "no", &dir);
+        server.args(["--cluster-enabled", "yes", "--tls-cluster", "yes"]);
+        // The cluster bus always checks the connecting node's certificate:
+        // the nodes show the client certificate (clientAuth) when they dial.
+        server
+            .arg("--tls-client-cert-file")
+            .arg(&files.client_cert)
+            .arg("--tls-client-key-file")
+            .arg(&files.client_key);
+        server
+            .arg("--cluster-config-file")
+            .arg(dir.join("nodes.conf"));
+        keepers.push(keep(server, &dir, "Ready to accept connections", deadline));
+    }
+    let mut create = Command::new("redis-cli");
+    create.arg("--tls").arg("--cacert").arg(&files.ca);
+    create.args(["--cluster", "create"]);
+    create.args(ports.iter().map(|p| format!("127.0.0.1:{p}")));
+    create.args(["--cluster-replicas", "0", "--cluster-yes"]);
+    run(create, deadline);
+    loop {
+        let out = Command::new("redis-cli")
+            .arg("--tls")
+            .arg("--cacert")
+            .arg(&files.ca)
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &ports[0].to_string(),
+                "cluster",
+                "info",
+            ])
+            .output()
+            .expect("redis-cli cluster info");
+        if String::from_utf8_lossy(&out.stdout).contains("cluster_state:ok") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the TLS Redis Cluster on {ports:?} did not reach cluster_state:ok within {START_BOUND:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    TlsCluster {
+        ports,
+        files,
+        keepers: Mutex::new(keepers),
+    }
+}
+
+/// The server in `cell`, started by `start` the first time; a start that
+/// failed is not tried again: every later test fails with its message.
+fn once<T>(cell: &'static OnceLock<Result<T, String>>, start: impl FnOnce() -> T) -> &'static T {
+    let got = cell.get_or_init(|| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(start)).map_err(|p| {
+            p.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "the server did not start".to_owned())
+        })
+    });
+    match got {
+        Ok(t) => t,
+        Err(m) => panic!("{m}"),
+    }
 }
 
 /// A port that was free a moment ago on 127.0.0.1.
@@ -398,6 +513,17 @@ fn start_redis(auth_clients: &str) -> TlsServer {
     let dir = fresh_dir("redis");
     let files = TlsFiles::new(&dir, "idem-client");
     let port = free_port();
+    let server = redis_command(&files, port, auth_clients, &dir);
+    let keeper = keep(server, &dir, "Ready to accept connections", deadline);
+    TlsServer {
+        port,
+        files,
+        keeper: Mutex::new(keeper),
+    }
+}
+
+/// `redis-server` on TLS port `port` only, with `files`, its data in `dir`.
+fn redis_command(files: &TlsFiles, port: u16, auth_clients: &str, dir: &Path) -> Command {
     let mut server = Command::new("redis-server");
     server
         .args(["--port", "0", "--bind", "127.0.0.1"])
@@ -411,11 +537,6 @@ fn start_redis(auth_clients: &str) -> TlsServer {
         .args(["--tls-auth-clients", auth_clients])
         .args(["--save", "", "--appendonly", "no"])
         .arg("--dir")
-        .arg(&dir);
-    let keeper = keep(server, &dir, "Ready to accept connections", deadline);
-    TlsServer {
-        port,
-        files,
-        keeper: Mutex::new(keeper),
-    }
+        .arg(dir);
+    server
 }
