@@ -91,6 +91,20 @@ async fn postgres_verify_full() {
         "invalid peer certificate: certificate not valid for name \"127.0.0.1\"",
     )
     .await;
+    // A CA file that is not there: a configuration error naming it.
+    let missing = format!(
+        "postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
+        s.port
+    );
+    match open_store_with(&missing, &options()).await {
+        Err(StoreError::Config(m)) => {
+            assert!(m.contains("sslrootcert \"/nonexistent/ca.pem\""), "{m}")
+        }
+        other => panic!(
+            "a missing CA file must be a config error: {:?}",
+            other.err()
+        ),
+    }
 }
 
 #[tokio::test]
