@@ -232,15 +232,25 @@ mod postgres_tls {
         );
     }
 
-    /// The URL's TLS parameters reach sqlx unchanged, `idem_*` taken out.
+    /// The URL's TLS parameters reach sqlx unchanged, `idem_*` taken out
+    /// (the files must exist: they are checked when the URL is read).
     #[test]
     fn tls_parameters_pass_through() {
-        let url = "postgres://u@h/db?sslmode=verify-full&idem_schema=s&sslrootcert=/ca.pem\
-                   &sslcert=/c.crt&sslkey=/c.key";
-        let o = PostgresOptions::from_url(url).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let f = |name: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, "x").unwrap();
+            p(&path)
+        };
+        let (ca, cert, key) = (f("ca.pem"), f("c.crt"), f("c.key"));
+        let url = format!(
+            "postgres://u@h/db?sslmode=verify-full&idem_schema=s&sslrootcert={ca}\
+             &sslcert={cert}&sslkey={key}"
+        );
+        let o = PostgresOptions::from_url(&url).unwrap();
         assert_eq!(
             o.url,
-            "postgres://u@h/db?sslmode=verify-full&sslrootcert=/ca.pem&sslcert=/c.crt&sslkey=/c.key"
+            format!("postgres://u@h/db?sslmode=verify-full&sslrootcert={ca}&sslcert={cert}&sslkey={key}")
         );
     }
 }
@@ -389,13 +399,17 @@ mod mariadb_tls {
     /// `mariadb://` URLs keep their TLS parameters.
     #[test]
     fn tls_parameters_pass_through() {
-        let o = MySqlOptions::from_url(
-            "mariadb://u@h/db?ssl-mode=VERIFY_IDENTITY&idem_table=t&ssl-ca=/ca.pem",
-        )
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "x").unwrap();
+        let ca = p(&ca);
+        let o = MySqlOptions::from_url(&format!(
+            "mariadb://u@h/db?ssl-mode=VERIFY_IDENTITY&idem_table=t&ssl-ca={ca}"
+        ))
         .unwrap();
         assert_eq!(
             o.url,
-            "mysql://u@h/db?ssl-mode=VERIFY_IDENTITY&ssl-ca=/ca.pem"
+            format!("mysql://u@h/db?ssl-mode=VERIFY_IDENTITY&ssl-ca={ca}")
         );
     }
 }
