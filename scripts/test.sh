@@ -116,6 +116,14 @@ fi
 # The Redis Cluster tests start their own redis-server processes.
 need_program redis-server redis-server
 need_program redis-cli redis-tools
+# The TLS store tests (crates/idem-sql/tests/tls_servers/) start their own
+# TLS-only PostgreSQL (initdb and postgres under /usr/lib/postgresql/*/bin,
+# run as the postgres user by setpriv), MariaDB and redis-server.
+need_program pg_ctlcluster postgresql
+need_program psql postgresql-client
+need_program setpriv util-linux
+need_program mariadb-install-db mariadb-server
+need_program mariadb mariadb-client
 
 start=$(date +%s)
 

@@ -288,7 +288,9 @@ pub async fn open_store(url: &str) -> Result<DynStore, StoreError> {
 ///
 /// Query parameters starting with `idem_` are the gateway's and are
 /// removed before the URL reaches the driver; all others are the
-/// driver's (e.g. PostgreSQL's `sslmode`):
+/// driver's, passed through unchanged (PostgreSQL's `sslmode`,
+/// `sslrootcert`, `sslcert`, `sslkey`; MySQL's `ssl-mode`, `ssl-ca`,
+/// `ssl-cert`, `ssl-key`). `rediss://…#insecure` is refused:
 ///
 /// | parameter | stores | meaning | default |
 /// |---|---|---|---|
@@ -296,6 +298,8 @@ pub async fn open_store(url: &str) -> Result<DynStore, StoreError> {
 /// | `idem_schema` | PostgreSQL | the schema of the table, created when missing | `public` |
 /// | `idem_migrate` | PostgreSQL, MySQL | create missing tables at startup (`false` when the role may not run DDL) | `true` |
 /// | `idem_prefix` | Redis | the first part of every Redis key and channel (≤ 64 bytes) | `idem` |
+/// | `idem_tls_ca` | `rediss://` | the CA (PEM file) the server's certificate must chain to | the system's roots |
+/// | `idem_tls_cert`, `idem_tls_key` | `rediss://` | a client certificate and key (PEM files), both or neither | none |
 /// | `idem_max_records` | memory | most records kept (claims, results and submit-token markers); a full store answers 503 `store-full` | `1000000` |
 ///
 /// Each store reads its own URL (`idem_sql::PostgresOptions::from_url`,

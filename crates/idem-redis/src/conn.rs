@@ -69,6 +69,9 @@ pub(crate) struct ConnectSettings {
     /// A CA (PEM) for TLS connections instead of the system's roots.
     #[cfg(feature = "tls")]
     pub(crate) tls_root_cert_pem: Option<Vec<u8>>,
+    /// A client certificate and key for mutual TLS.
+    #[cfg(feature = "tls")]
+    pub(crate) tls_client: Option<crate::TlsClientIdentity>,
 }
 
 impl ConnectSettings {
@@ -78,6 +81,8 @@ impl ConnectSettings {
             response_timeout: options.response_timeout,
             #[cfg(feature = "tls")]
             tls_root_cert_pem: options.tls_root_cert_pem.clone(),
+            #[cfg(feature = "tls")]
+            tls_client: options.tls_client.clone(),
         }
     }
 
@@ -86,12 +91,16 @@ impl ConnectSettings {
         // rustls needs one process-wide crypto provider; another crate may
         // have installed one already, which is fine.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        self.tls_root_cert_pem
-            .as_ref()
-            .map(|pem| redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(pem.clone()),
-            })
+        if self.tls_root_cert_pem.is_none() && self.tls_client.is_none() {
+            return None;
+        }
+        Some(redis::TlsCertificates {
+            client_tls: self.tls_client.as_ref().map(|id| redis::ClientTlsConfig {
+                client_cert: id.cert_pem.clone(),
+                client_key: id.key_pem.clone(),
+            }),
+            root_cert: self.tls_root_cert_pem.clone(),
+        })
     }
 }
 

@@ -9,9 +9,12 @@ mod persistence;
 mod scripts;
 mod store;
 mod target;
+mod tls_files;
 mod url;
 
 pub use lock::RedisLockBackend;
+#[cfg(feature = "tls")]
+pub use options::TlsClientIdentity;
 pub use options::{RedisOptions, MAX_PREFIX_LEN};
 pub use persistence::{check_persistence, Persistence};
 pub use store::RedisStore;

@@ -63,6 +63,44 @@ pub struct RedisOptions {
     /// certificates). Feature `tls`.
     #[cfg(feature = "tls")]
     pub tls_root_cert_pem: Option<Vec<u8>>,
+    /// For `rediss://` URLs: the certificate and key this client shows when
+    /// the server asks for one (mutual TLS; default `None`). Feature `tls`.
+    #[cfg(feature = "tls")]
+    pub tls_client: Option<TlsClientIdentity>,
+}
+
+/// A client certificate (chain) and its private key, both PEM, for Redis
+/// servers that check clients (`tls-auth-clients yes`). Its `Debug` hides
+/// the key. Feature `tls`.
+#[cfg(feature = "tls")]
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TlsClientIdentity {
+    /// The client's certificate, then any intermediates, PEM.
+    pub cert_pem: Vec<u8>,
+    /// Its private key, PEM (PKCS#8, PKCS#1 or SEC1).
+    pub key_pem: Vec<u8>,
+}
+
+#[cfg(feature = "tls")]
+impl TlsClientIdentity {
+    /// A certificate (chain) and its key, PEM.
+    pub fn new(cert_pem: impl Into<Vec<u8>>, key_pem: impl Into<Vec<u8>>) -> Self {
+        Self {
+            cert_pem: cert_pem.into(),
+            key_pem: key_pem.into(),
+        }
+    }
+}
+
+#[cfg(feature = "tls")]
+impl std::fmt::Debug for TlsClientIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsClientIdentity")
+            .field("cert_pem", &format_args!("{} bytes", self.cert_pem.len()))
+            .field("key_pem", &"***")
+            .finish()
+    }
 }
 
 impl Default for RedisOptions {
@@ -76,6 +114,8 @@ impl Default for RedisOptions {
             scan_count: 500,
             #[cfg(feature = "tls")]
             tls_root_cert_pem: None,
+            #[cfg(feature = "tls")]
+            tls_client: None,
         }
     }
 }
@@ -122,6 +162,14 @@ impl RedisOptions {
     #[cfg(feature = "tls")]
     pub fn with_tls_root_cert_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.tls_root_cert_pem = Some(pem.into());
+        self
+    }
+
+    /// Sets [`Self::tls_client`]: the certificate and key shown to a server
+    /// that asks for one. Feature `tls`.
+    #[cfg(feature = "tls")]
+    pub fn with_tls_client(mut self, identity: TlsClientIdentity) -> Self {
+        self.tls_client = Some(identity);
         self
     }
 

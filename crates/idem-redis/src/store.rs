@@ -74,10 +74,19 @@ impl RedisStore {
     /// warning is logged unless it is `noeviction`), all before this
     /// returns. Afterwards the connection reconnects by itself.
     ///
+    /// Over TLS the server's certificate must chain to
+    /// `RedisOptions::tls_root_cert_pem` (feature `tls`; default: the system's roots) and
+    /// name the URL's host. The URL's `idem_*` parameters are not read here
+    /// (see [`RedisUrl`](crate::RedisUrl), which turns `idem_tls_ca` and the
+    /// like into options).
+    ///
     /// # Errors
-    /// [`StoreError::Config`] for a malformed URL or unknown scheme;
+    /// [`StoreError::Config`] for a malformed URL, an unknown scheme or a
+    /// `#fragment` (redis-rs's `#insecure`, which would check no
+    /// certificate, is refused);
     /// [`StoreError::Unavailable`] (phase `Connect`) when the server refuses
-    /// the connection, authentication or `SCRIPT LOAD`;
+    /// the connection, authentication, the TLS handshake (its certificate
+    /// included) or `SCRIPT LOAD`;
     /// [`StoreError::Timeout`] (phase `Connect`) when that takes longer than
     /// the connection timeout plus the response timeout (2 s + 2 s by default).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {

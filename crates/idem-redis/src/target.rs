@@ -31,6 +31,13 @@ impl Target {
     /// Parses a store URL.
     pub(crate) fn parse(url: &str) -> Result<Self, StoreError> {
         let url = url.trim();
+        if url.contains('#') {
+            // redis-rs reads `rediss://…#insecure` as "check no certificate".
+            return Err(StoreError::Config(format!(
+                "Redis URL takes no #fragment (#insecure, which turns off certificate \
+                 checks, is refused); supported: {SUPPORTED}"
+            )));
+        }
         let Some((scheme, rest)) = url.split_once("://") else {
             return Err(StoreError::Config(format!(
                 "Redis URL has no scheme; supported: {SUPPORTED}"
@@ -160,6 +167,8 @@ mod tests {
             "redis+cluster://",
             "redis+cluster://h:1,h:2/3",
             "redis://u:secret@host:notaport",
+            "rediss://u:secret@host:6380#insecure",
+            "rediss+cluster://h:1,h:2#insecure",
         ] {
             match Target::parse(bad) {
                 Err(StoreError::Config(msg)) => {

@@ -79,17 +79,33 @@ impl crate::PostgresOptions {
     /// # Ok::<(), idem_core::StoreError>(())
     /// ```
     ///
+    /// TLS: sqlx's `sslmode` (`disable`, `allow`, `prefer` (its default),
+    /// `require`, `verify-ca`, `verify-full`), `sslrootcert`, `sslcert` and
+    /// `sslkey` pass through unchanged; the files they name are checked to
+    /// be readable here.
+    ///
     /// # Errors
     /// [`StoreError::Config`] for a scheme other than `postgres://` or
     /// `postgresql://`, a URL that names no server, an unknown, empty,
-    /// repeated or malformed `idem_*` parameter, or a table or schema name
-    /// that is not a plain identifier.
+    /// repeated or malformed `idem_*` parameter, a table or schema name
+    /// that is not a plain identifier, or a file named by `sslrootcert`,
+    /// `sslcert` or `sslkey` (also spelt `ssl-root-cert`, `ssl-ca`,
+    /// `ssl-cert`, `ssl-key`) that cannot be opened.
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
         let postgres = ServerUrl {
             schemes: &["postgres", "postgresql"],
             driver_scheme: None,
             kind: "postgres",
             params: POSTGRES_PARAMS,
+            files: &[
+                "sslrootcert",
+                "ssl-root-cert",
+                "ssl-ca",
+                "sslcert",
+                "ssl-cert",
+                "sslkey",
+                "ssl-key",
+            ],
             other: "not a PostgreSQL URL; use postgres:// or postgresql://",
         };
         let params = postgres.read(url)?;
@@ -117,17 +133,27 @@ impl crate::MySqlOptions {
     /// # Ok::<(), idem_core::StoreError>(())
     /// ```
     ///
+    /// TLS: sqlx's `ssl-mode` (`DISABLED`, `PREFERRED` (its default),
+    /// `REQUIRED`, `VERIFY_CA`, `VERIFY_IDENTITY`), `ssl-ca`, `ssl-cert` and
+    /// `ssl-key` pass through unchanged; the files they name are checked to
+    /// be readable here.
+    ///
     /// # Errors
     /// [`StoreError::Config`] for a scheme other than `mysql://` or
     /// `mariadb://`, a URL that names no server, an unknown, empty,
-    /// repeated or malformed `idem_*` parameter, or a table name that is not
-    /// a plain identifier.
+    /// repeated or malformed `idem_*` parameter, a table name that is not
+    /// a plain identifier, or a file named by `ssl-ca`, `ssl-cert` or
+    /// `ssl-key` (also spelt `sslca`, `sslcert`, `sslkey`) that cannot be
+    /// opened.
     pub fn from_url(url: &str) -> Result<Self, StoreError> {
         let mysql = ServerUrl {
             schemes: &["mysql", "mariadb"],
             driver_scheme: Some("mysql"),
             kind: "mysql",
             params: MYSQL_PARAMS,
+            files: &[
+                "sslca", "ssl-ca", "sslcert", "ssl-cert", "sslkey", "ssl-key",
+            ],
             other: "not a MySQL URL; use mysql:// or mariadb://",
         };
         let params = mysql.read(url)?;
@@ -149,6 +175,9 @@ struct ServerUrl {
     kind: &'static str,
     /// Its `idem_*` parameters; `idem_table` among them.
     params: &'static [Param],
+    /// The driver's parameters that name a file (the TLS CA, client
+    /// certificate and key), checked to be readable.
+    files: &'static [&'static str],
     /// The message for a URL of another scheme.
     other: &'static str,
 }
@@ -169,7 +198,27 @@ impl ServerUrl {
         let params = u.options(self.kind, self.params)?;
         let table = params.text("idem_table");
         check_name("idem_table", table, crate::common::MAX_TABLE_LEN)?;
+        self.check_files(&u, params.driver_url().expose())?;
         Ok(params)
+    }
+
+    /// Opens each file a TLS parameter of the driver URL names (decoded as
+    /// sqlx decodes it), so a wrong path is a configuration error at start
+    /// rather than an "unavailable" store with a bare "No such file or
+    /// directory". Values that are PEM text themselves are left to sqlx.
+    fn check_files(&self, u: &StoreUrl, driver_url: &str) -> Result<(), StoreError> {
+        let Ok(parsed) = url::Url::parse(driver_url) else {
+            return Ok(()); // sqlx reports a URL it cannot read
+        };
+        for (name, value) in parsed.query_pairs() {
+            if !self.files.contains(&name.as_ref()) || value.starts_with("-----BEGIN") {
+                continue;
+            }
+            if let Err(e) = std::fs::File::open(value.as_ref()) {
+                return Err(u.error(format_args!("{name} {value:?}: {e}")));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -296,5 +345,50 @@ mod tests {
             config_error(MySqlOptions::from_url("mysql://h/db?idem_schema=s"))
                 .ends_with("mysql store URLs take idem_table, idem_migrate")
         );
+    }
+
+    #[cfg(all(feature = "postgres", feature = "mysql"))]
+    #[test]
+    fn tls_files_must_be_readable() {
+        use crate::{MySqlOptions, PostgresOptions};
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let ca = ca.display();
+        let ok = format!("postgres://h/db?sslmode=verify-full&sslrootcert={ca}&idem_schema=s");
+        assert_eq!(
+            PostgresOptions::from_url(&ok).unwrap().url,
+            format!("postgres://h/db?sslmode=verify-full&sslrootcert={ca}")
+        );
+        MySqlOptions::from_url(&format!(
+            "mysql://h/db?ssl-mode=VERIFY_IDENTITY&ssl-ca={ca}"
+        ))
+        .unwrap();
+        assert_eq!(
+            config_error(PostgresOptions::from_url(
+                "postgres://u:s3cret@h/db?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem"
+            )),
+            "store URL \"postgres://u:***@h/db?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem\": \
+             sslrootcert \"/nonexistent/ca.pem\": No such file or directory (os error 2)"
+        );
+        for bad in [
+            "postgres://h/db?sslcert=/nonexistent/c.crt",
+            "postgres://h/db?sslkey=%2Fnonexistent%2Fc.key",
+        ] {
+            assert!(
+                config_error(PostgresOptions::from_url(bad)).contains("/nonexistent/"),
+                "{bad}"
+            );
+        }
+        for bad in [
+            "mariadb://h/db?ssl-ca=/nonexistent/ca.pem",
+            "mysql://h/db?sslca=/nonexistent/ca.pem",
+            "mysql://h/db?ssl-key=/nonexistent/k.pem",
+        ] {
+            assert!(
+                config_error(MySqlOptions::from_url(bad)).contains("/nonexistent/"),
+                "{bad}"
+            );
+        }
     }
 }
