@@ -1704,6 +1704,49 @@ mod tests {
     }
 
     #[test]
+    fn scope_from_client_cert_needs_a_client_ca_and_no_scope_header() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        let tls = ["--tls-cert", "c.pem", "--tls-key", "k.pem"];
+        let with = |more: &[&'static str]| {
+            let mut v: Vec<&str> = tls.to_vec();
+            v.extend_from_slice(more);
+            g(&v)
+        };
+        let e = with(&["--scope-from", "client-cert"]).unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::ScopeFrom(m) if m.contains("--tls-client-ca")),
+            "{e}"
+        );
+        let c = with(&["--tls-client-ca", "ca.pem", "--scope-from", "client-cert"]).unwrap();
+        assert_eq!(c.layer.scope, ScopeBy::ClientCert);
+        assert_eq!(c.scope_from, ScopeFrom::ClientCert);
+        assert_eq!(show_scope(&c.layer.scope), "client-cert");
+        let e = with(&[
+            "--tls-client-ca",
+            "ca.pem",
+            "--scope-from",
+            "client-cert",
+            "--scope-header",
+            "x-api-key",
+        ])
+        .unwrap_err();
+        assert!(matches!(e, ConfigError::ScopeFrom(_)), "{e}");
+        // A route that would scope by headers under client-cert.
+        let mut c = c;
+        let mut o = c.layer.clone();
+        o.scope = ScopeBy::Headers(vec![HeaderName::from_static("x-api-key")]);
+        c.routes.push(idem_http::Route::new("by-header", "/h", o).unwrap());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("by-header") && e.contains("scope_headers"), "{e}");
+        // Headers (the default) need no TLS.
+        assert!(matches!(g(&[]).unwrap().layer.scope, ScopeBy::Headers(_)));
+    }
+
+    #[test]
     fn bad_scope_headers_are_config_errors() {
         for bad in [
             "x api key",
