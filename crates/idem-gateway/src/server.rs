@@ -278,6 +278,13 @@ impl Gateway {
             admin,
         } = self;
         log_startup(&config, kind, local_addr);
+        // Before anything answers (the admin listener included): once the
+        // gateway answers, a SIGHUP reloads the certificate and the reload
+        // counters show.
+        let tls_hup = tls.as_ref().and_then(|_| {
+            crate::tls::listener::register_metrics();
+            crate::tls::listener::Hangup::register()
+        });
         let health = Health::new(store.clone(), kind, config.store.expose());
         // The layer wraps the store (store call metrics): the admin API and
         // the purge task use it as the layer does.
@@ -314,10 +321,7 @@ impl Gateway {
             ));
         }
         if let Some(tls) = &tls {
-            // Registered here, before the first accept: a SIGHUP sent once
-            // the gateway answers reloads the certificate.
-            let hup = crate::tls::listener::Hangup::register();
-            tokio::spawn(tls.clone().watch(hup, reload_stop.clone()));
+            tokio::spawn(tls.clone().watch(tls_hup, reload_stop.clone()));
         }
         let graceful = GracefulShutdown::new();
         let door = Door::new(config.header_timeout, cap.connections);

@@ -171,9 +171,6 @@ impl TlsListener {
     /// gateway serves, so a signal sent once it answers is not lost) and
     /// when the files change, until `stop` is cancelled.
     pub(crate) async fn watch(self, mut hup: Option<Hangup>, stop: CancellationToken) {
-        for result in ["ok", "error"] {
-            metrics::counter!(CERT_RELOADS, "result" => result).increment(0);
-        }
         let files = [self.tls.cert.clone(), self.tls.key.clone()];
         let mut last = look(&files).await;
         let mut tick = tokio::time::interval(POLL_INTERVAL);
@@ -208,6 +205,17 @@ impl TlsListener {
             // Reading and parsing the files is blocking I/O.
             let _ = tokio::task::spawn_blocking(move || this.reload(trigger)).await;
         }
+    }
+}
+
+/// Registers the reload counter at 0 for both results.
+pub(crate) fn register_metrics() {
+    metrics::describe_counter!(
+        CERT_RELOADS,
+        "Reloads of the TLS listener's certificate and key (SIGHUP or a change of the files), by result: ok (new handshakes use it) or error (the certificate in force stays)."
+    );
+    for result in ["ok", "error"] {
+        metrics::counter!(CERT_RELOADS, "result" => result).increment(0);
     }
 }
 
