@@ -134,7 +134,10 @@ async fn sighup_reloads_the_certificate_and_the_process_goes_on() {
     // Files unchanged: only the signal can cause this reload.
     hup(&gw.0);
     until(&c, admin, &log, "SIGHUP reload", |(ok, _)| ok == 1).await;
-    assert!(gw.0.try_wait().unwrap().is_none(), "SIGHUP ended the process");
+    assert!(
+        gw.0.try_wait().unwrap().is_none(),
+        "SIGHUP ended the process"
+    );
     let logs = std::fs::read_to_string(&log).unwrap();
     assert!(
         logs.contains("TLS certificate reloaded") && logs.contains("SIGHUP"),
@@ -163,13 +166,20 @@ async fn sighup_reloads_the_certificate_and_the_process_goes_on() {
 fn bad_tls_settings_exit_2_naming_the_flag() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new("ca");
-    let (cert, key) = ca.issue(&["localhost"], Usage::Server).write(dir.path(), "s");
+    let (cert, key) = ca
+        .issue(&["localhost"], Usage::Server)
+        .write(dir.path(), "s");
     let ca_file = ca.write(dir.path(), "ca.crt");
     let missing = dir.path().join("missing.crt");
     let p = |p: &Path| p.to_str().unwrap().to_owned();
     let cases: Vec<(Vec<String>, &[&str])> = vec![
         (
-            vec!["--tls-cert".into(), p(&missing), "--tls-key".into(), p(&key)],
+            vec![
+                "--tls-cert".into(),
+                p(&missing),
+                "--tls-key".into(),
+                p(&key),
+            ],
             &["--tls-cert", "missing.crt"],
         ),
         (

@@ -54,7 +54,10 @@ async fn http1_and_h2_over_tls_run_once_and_replay() {
     let plain = request_once(rig.addr(), rig.client(&[], None), "GET", "/items", &[], "")
         .await
         .unwrap();
-    assert_eq!((plain.status.as_u16(), plain.version), (200, http::Version::HTTP_11));
+    assert_eq!(
+        (plain.status.as_u16(), plain.version),
+        (200, http::Version::HTTP_11)
+    );
 }
 
 #[tokio::test]
@@ -72,7 +75,11 @@ async fn a_client_that_does_not_trust_the_server_fails_and_plain_http_is_not_ser
         .unwrap();
     let mut buf = Vec::new();
     let _ = tokio::time::timeout(BOUND, tcp.read_to_end(&mut buf)).await;
-    assert!(!buf.starts_with(b"HTTP/"), "{:?}", String::from_utf8_lossy(&buf));
+    assert!(
+        !buf.starts_with(b"HTTP/"),
+        "{:?}",
+        String::from_utf8_lossy(&buf)
+    );
     assert_eq!(rig.up.hits(), 0);
 }
 
@@ -104,9 +111,16 @@ async fn mtls_requires_a_valid_client_certificate_of_the_ca() {
 
     let good = rig.client_cert("good-client");
     for alpn in [H1, H2] {
-        let a = request_once(rig.addr(), rig.client(alpn, Some(&good)), "GET", "/items", &[], "")
-            .await
-            .unwrap();
+        let a = request_once(
+            rig.addr(),
+            rig.client(alpn, Some(&good)),
+            "GET",
+            "/items",
+            &[],
+            "",
+        )
+        .await
+        .unwrap();
         assert_eq!(a.status, 200, "{}", a.text());
     }
     assert_eq!(rig.up.hits(), 2);
@@ -131,16 +145,27 @@ async fn the_client_certificate_is_the_scope() {
     let post = |who: Issued, alpn: &'static [&'static [u8]]| {
         let config = rig.client(alpn, Some(&who));
         let addr = rig.addr();
-        async move { request_once(addr, config, "POST", "/orders", &auth, body).await.unwrap() }
+        async move {
+            request_once(addr, config, "POST", "/orders", &auth, body)
+                .await
+                .unwrap()
+        }
     };
     let a1 = post(alice.clone(), H1).await;
     assert_eq!(a1.status, 201, "{}", a1.text());
     let b1 = post(bob.clone(), H2).await;
     assert_eq!(b1.status, 201, "{}", b1.text());
     assert!(!b1.replayed(), "another certificate is another caller");
-    assert_eq!(rig.up.hits(), 2, "two certificates, same key: two executions");
+    assert_eq!(
+        rig.up.hits(),
+        2,
+        "two certificates, same key: two executions"
+    );
     let a2 = post(alice, H2).await;
-    assert!(a2.replayed(), "the same certificate on a new connection: replayed");
+    assert!(
+        a2.replayed(),
+        "the same certificate on a new connection: replayed"
+    );
     assert_eq!(a2.body, a1.body);
     let b2 = post(bob, H1).await;
     assert!(b2.replayed());
@@ -152,7 +177,9 @@ async fn the_client_certificate_is_the_scope() {
 async fn client_cert_scoping_is_refused_without_a_client_ca_or_with_scope_headers() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new("ca");
-    let (cert, key) = ca.issue(&["localhost"], Usage::Server).write(dir.path(), "s");
+    let (cert, key) = ca
+        .issue(&["localhost"], Usage::Server)
+        .write(dir.path(), "s");
     let mut c = config("http://127.0.0.1:9");
     c.tls = Some(ListenerTls {
         cert,
@@ -162,28 +189,49 @@ async fn client_cert_scoping_is_refused_without_a_client_ca_or_with_scope_header
     c.scope_from = ScopeFrom::ClientCert;
     c.layer.scope = ScopeBy::ClientCert;
     let e = c.validate().unwrap_err().to_string();
-    assert!(e.contains("--scope-from") && e.contains("--tls-client-ca"), "{e}");
+    assert!(
+        e.contains("--scope-from") && e.contains("--tls-client-ca"),
+        "{e}"
+    );
     // scope_from without the layer's scope (or the other way round).
     c.tls.as_mut().unwrap().client_ca = Some(ca.write(dir.path(), "ca.crt"));
     c.validate().unwrap();
     c.layer.scope = ScopeBy::default();
-    assert!(c.validate().unwrap_err().to_string().contains("--scope-from"));
+    assert!(c
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("--scope-from"));
 }
 
 #[tokio::test]
 async fn bad_certificate_files_are_refused_at_start_naming_the_flag() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new("ca");
-    let (cert, key) = ca.issue(&["localhost"], Usage::Server).write(dir.path(), "s");
-    let (_, other_key) = ca.issue(&["localhost"], Usage::Server).write(dir.path(), "o");
+    let (cert, key) = ca
+        .issue(&["localhost"], Usage::Server)
+        .write(dir.path(), "s");
+    let (_, other_key) = ca
+        .issue(&["localhost"], Usage::Server)
+        .write(dir.path(), "o");
     let garbage = dir.path().join("garbage.pem");
     std::fs::write(&garbage, "hello").unwrap();
     let cases = [
-        (dir.path().join("missing.crt"), key.clone(), None, "--tls-cert"),
+        (
+            dir.path().join("missing.crt"),
+            key.clone(),
+            None,
+            "--tls-cert",
+        ),
         (garbage.clone(), key.clone(), None, "--tls-cert"),
         (cert.clone(), garbage.clone(), None, "--tls-key"),
         (cert.clone(), other_key, None, "--tls-key"),
-        (cert.clone(), key.clone(), Some(garbage.clone()), "--tls-client-ca"),
+        (
+            cert.clone(),
+            key.clone(),
+            Some(garbage.clone()),
+            "--tls-client-ca",
+        ),
     ];
     for (cert, key, client_ca, flag) in cases {
         let mut c = config("http://127.0.0.1:9");
@@ -295,7 +343,10 @@ async fn certificates_rotate_under_load_without_a_failed_request() {
                     rig.client(alpn, None),
                     "POST",
                     "/orders",
-                    &[("idempotency-key", &k), ("content-type", "application/json")],
+                    &[
+                        ("idempotency-key", &k),
+                        ("content-type", "application/json"),
+                    ],
                     "{}",
                 )
                 .await;
@@ -342,7 +393,12 @@ async fn a_broken_replacement_keeps_the_old_certificate_and_a_later_good_one_is_
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let tls = connect(rig.addr(), rig.client(H1, None)).await.unwrap();
     assert_eq!(server_leaf(&tls), first, "the old certificate stays");
-    let r = http(tls).await.unwrap().send("GET", "/items", &[], "").await.unwrap();
+    let r = http(tls)
+        .await
+        .unwrap()
+        .send("GET", "/items", &[], "")
+        .await
+        .unwrap();
     assert_eq!(r.status, 200);
     // Not PEM at all.
     replace_pair(&rig.cert, &rig.key, "garbage", "garbage");

@@ -193,7 +193,10 @@ mod tests {
     fn client_certificates_scope_apart_from_headers() {
         let by = ScopeBy::ClientCert;
         let h = headers(&[("authorization", "a")]);
-        assert_eq!(by.scope_in(&h, &Extensions::new()), Err(ClientCertificateRequired));
+        assert_eq!(
+            by.scope_in(&h, &Extensions::new()),
+            Err(ClientCertificateRequired)
+        );
         let with = |der: &'static [u8]| {
             let mut e = Extensions::new();
             e.insert(ClientCertificate(bytes::Bytes::from_static(der)));
@@ -214,7 +217,10 @@ mod tests {
         // Other kinds ignore the extension.
         let mut e = Extensions::new();
         e.insert(ClientCertificate(bytes::Bytes::from_static(b"cert-a")));
-        assert_eq!(ScopeBy::default().scope_in(&h, &e).unwrap(), ScopeBy::default().scope_of(&h));
+        assert_eq!(
+            ScopeBy::default().scope_in(&h, &e).unwrap(),
+            ScopeBy::default().scope_of(&h)
+        );
     }
 
     #[test]

@@ -891,7 +891,7 @@ impl GatewayConfig {
                 show_scope(&self.layer.scope)
             )));
         }
-        if by_cert && !self.tls.as_ref().is_some_and(|t| t.client_ca.is_some()) {
+        if by_cert && self.tls.as_ref().is_none_or(|t| t.client_ca.is_none()) {
             return Err(ConfigError::ScopeFrom(
                 "client-cert needs --tls-client-ca (and --tls-cert/--tls-key): without \
                  verified client certificates no request could be scoped"
@@ -1739,9 +1739,13 @@ mod tests {
         let mut c = c;
         let mut o = c.layer.clone();
         o.scope = ScopeBy::Headers(vec![HeaderName::from_static("x-api-key")]);
-        c.routes.push(idem_http::Route::new("by-header", "/h", o).unwrap());
+        c.routes
+            .push(idem_http::Route::new("by-header", "/h", o).unwrap());
         let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("by-header") && e.contains("scope_headers"), "{e}");
+        assert!(
+            e.contains("by-header") && e.contains("scope_headers"),
+            "{e}"
+        );
         // Headers (the default) need no TLS.
         assert!(matches!(g(&[]).unwrap().layer.scope, ScopeBy::Headers(_)));
     }

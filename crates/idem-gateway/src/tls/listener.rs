@@ -369,7 +369,9 @@ mod tests {
         let e = TlsListener::new(&missing).unwrap_err().to_string();
         assert!(e.contains("--tls-cert") && e.contains("nope.crt"), "{e}");
         // A key that is not the certificate's.
-        let (_, other_key) = ca.issue(&["localhost"], Usage::Server).write(dir.path(), "other");
+        let (_, other_key) = ca
+            .issue(&["localhost"], Usage::Server)
+            .write(dir.path(), "other");
         let wrong = ListenerTls {
             key: other_key,
             ..tls.clone()
