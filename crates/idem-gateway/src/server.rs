@@ -18,12 +18,13 @@ use hyper_util::service::TowerToHyperService;
 use idem_core::token::IssueError;
 use idem_core::{DynStore, StoreError};
 use idem_http::{
-    normalize_path, problem, BoxBody, IdempotencyLayer, IdempotencyService, ScopeBy, TaskTracker,
-    TokenCap, TokenIssueError,
+    normalize_path, problem, BoxBody, ClientCertificate, IdempotencyLayer, IdempotencyService,
+    ScopeBy, TaskTracker, TokenCap, TokenIssueError,
 };
 use std::borrow::Cow;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_rustls::TlsAcceptor;
 use tower::Layer;
 
 use crate::admin::{self, AdminToken};
@@ -33,6 +34,7 @@ use crate::health::Health;
 use crate::limits::ConnectionCap;
 use crate::proxy::{self, error_chain, Proxy, Upstream, UpstreamClient};
 use crate::store::{open_store_with, StoreKind};
+use crate::tls::listener::TlsListener;
 
 /// Paths under this prefix are answered by the gateway itself and never proxied.
 pub const RESERVED_PREFIX: &str = "/_idem/";
@@ -90,6 +92,8 @@ pub struct Gateway {
     upstream: Arc<Upstream>,
     listener: TcpListener,
     local_addr: SocketAddr,
+    /// TLS on the listener (`--tls-cert`), loaded at bind.
+    tls: Option<TlsListener>,
     /// The admin listener (`--admin-listen`), and the admin token.
     admin: Option<(TcpListener, Option<AdminToken>)>,
 }
@@ -174,6 +178,13 @@ impl Gateway {
         let upstream = Upstream::new(&config.upstream)
             .map(|u| Arc::new(u.trusting(config.trusted_proxies.clone())))
             .map_err(|e| GatewayError::Config(ConfigError::Upstream(e)))?;
+        // Bad certificate files are refused at start (exit 2), naming the flag.
+        let tls = config
+            .tls
+            .as_ref()
+            .map(TlsListener::new)
+            .transpose()
+            .map_err(|e| GatewayError::Config(ConfigError::Tls(e)))?;
         let bind_error = |source| GatewayError::Bind {
             addr: config.listen,
             source,
@@ -212,6 +223,7 @@ impl Gateway {
             upstream,
             listener,
             local_addr,
+            tls,
             admin,
         })
     }
@@ -262,9 +274,17 @@ impl Gateway {
             upstream,
             listener,
             local_addr,
+            tls,
             admin,
         } = self;
         log_startup(&config, kind, local_addr);
+        // Before anything answers (the admin listener included): once the
+        // gateway answers, a SIGHUP reloads the certificate and the reload
+        // counters show.
+        let tls_hup = tls.as_ref().and_then(|_| {
+            crate::tls::listener::register_metrics();
+            crate::tls::listener::Hangup::register()
+        });
         let health = Health::new(store.clone(), kind, config.store.expose());
         // The layer wraps the store (store call metrics): the admin API and
         // the purge task use it as the layer does.
@@ -300,9 +320,13 @@ impl Gateway {
                 reload_stop.clone(),
             ));
         }
+        if let Some(tls) = &tls {
+            tokio::spawn(tls.clone().watch(tls_hup, reload_stop.clone()));
+        }
         let graceful = GracefulShutdown::new();
         let door = Door::new(config.header_timeout, cap.connections);
-        accept_until(listener, shutdown, &routes, &graceful, &door).await;
+        let acceptor = tls.as_ref().map(|t| t.acceptor().clone());
+        accept_until(listener, shutdown, &routes, &graceful, &door, acceptor).await;
         reload_stop.cancel();
         drain(graceful, routes.layer.tracker(), config.shutdown_grace).await;
         purge.abort();
@@ -326,14 +350,20 @@ fn log_startup(config: &GatewayConfig, kind: &'static str, local_addr: SocketAdd
     let methods: Vec<&str> = layer.methods.iter().map(Method::as_str).collect();
     let scope = match &layer.scope {
         ScopeBy::Headers(_) => format!("headers:{}", show_scope(&layer.scope)),
-        ScopeBy::Fixed(_) => show_scope(&layer.scope),
+        ScopeBy::Fixed(_) | ScopeBy::ClientCert => show_scope(&layer.scope),
     };
     let config_file = config
         .config_source
         .as_ref()
         .map_or_else(|| "none".to_owned(), |s| s.path.display().to_string());
+    let tls = match &config.tls {
+        None => "off".to_owned(),
+        Some(t) if t.client_ca.is_some() => format!("mtls ({})", t.cert.display()),
+        Some(t) => format!("on ({})", t.cert.display()),
+    };
     tracing::info!(
         listen = %local_addr,
+        tls = %tls,
         config_file = %config_file,
         routes = %format!("{} + default", config.routes.len()),
         upstream = %config.upstream,
@@ -464,6 +494,7 @@ impl Routes {
             inner: self.layer.layer(proxy),
             health: self.health.clone(),
             tokens: self.tokens.clone(),
+            client_cert: None,
         }
     }
 }
@@ -479,6 +510,7 @@ async fn accept_until(
     routes: &Routes,
     graceful: &GracefulShutdown,
     door: &Door,
+    tls: Option<TlsAcceptor>,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -507,15 +539,21 @@ async fn accept_until(
                     activity: Arc::new(tokio::sync::watch::Sender::new(0)),
                     requests: door.requests.clone(),
                 };
-                serve_connection(
-                    &builder,
-                    graceful,
-                    stream,
+                let conn = Conn {
+                    builder: builder.clone(),
+                    watcher: graceful.watcher(),
                     peer,
-                    root,
                     slot,
-                    door.header_timeout,
-                );
+                    header_timeout: door.header_timeout,
+                };
+                match &tls {
+                    None => {
+                        tokio::spawn(conn.serve(stream, root));
+                    }
+                    Some(acceptor) => {
+                        tokio::spawn(conn.serve_tls(acceptor.clone(), stream, root));
+                    }
+                }
             }
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
@@ -548,33 +586,74 @@ impl Door {
     }
 }
 
-/// Serves one connection on a task of its own, watched by `graceful`,
-/// holding its connection `slot` until it closes.
-///
-/// The connection is closed once it has had no request in flight for
-/// `header_timeout`: from accept (hyper's own header read timeout only
-/// starts once the first byte is in, and hyper-util's HTTP/1-or-2 sniffing
-/// waits for bytes without any deadline), and from the end of each
-/// response (the keep-alive idle time). A request counts as in flight from
-/// its complete head to the end of its response body, so a slow upload or
-/// a long download is not cut; those have their own deadlines
-/// (`--body-timeout`, `--upstream-timeout`). For HTTP/2 this closes a
-/// connection with no open stream, whatever pings or settings it sends.
-fn serve_connection(
-    builder: &auto::Builder<TokioExecutor>,
-    graceful: &GracefulShutdown,
-    stream: TcpStream,
+/// One accepted connection: what serving it needs, and its connection
+/// `slot`, held until it closes (a TLS connection is counted from accept,
+/// its handshake included).
+struct Conn {
+    builder: auto::Builder<TokioExecutor>,
+    watcher: hyper_util::server::graceful::Watcher,
     peer: SocketAddr,
-    root: Tracked,
     slot: OwnedSemaphorePermit,
     header_timeout: Duration,
-) {
-    let watcher = graceful.watcher();
-    let builder = builder.clone();
-    let mut activity = root.activity.subscribe();
-    tokio::spawn(async move {
+}
+
+impl Conn {
+    /// The TLS handshake, then [`Conn::serve`] over it (run on the
+    /// connection's own task, so a slow handshake never holds the accept
+    /// loop). The handshake must end within `header_timeout`; a client that
+    /// does not finish it in time, or whose handshake fails (no or a bad
+    /// client certificate, no common protocol), is closed with a DEBUG
+    /// line. With mTLS, the verified leaf certificate goes into every
+    /// request's extensions ([`ClientCertificate`]).
+    async fn serve_tls(self, acceptor: TlsAcceptor, stream: TcpStream, mut root: Tracked) {
+        let peer = self.peer;
+        let tls = match tokio::time::timeout(self.header_timeout, acceptor.accept(stream)).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "closing a connection whose TLS handshake did not finish within --header-timeout");
+                return;
+            }
+        };
+        root.inner.client_cert = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|chain| chain.first())
+            .map(|leaf| ClientCertificate(bytes::Bytes::copy_from_slice(leaf)));
+        self.serve(tls, root).await;
+    }
+
+    /// Serves the connection, watched by the graceful shutdown, until it
+    /// closes.
+    ///
+    /// The connection is closed once it has had no request in flight for
+    /// `header_timeout`: from accept (or the end of the TLS handshake;
+    /// hyper's own header read timeout only starts once the first byte is
+    /// in, and hyper-util's HTTP/1-or-2 sniffing waits for bytes without
+    /// any deadline), and from the end of each response (the keep-alive
+    /// idle time). A request counts as in flight from its complete head to
+    /// the end of its response body, so a slow upload or a long download is
+    /// not cut; those have their own deadlines (`--body-timeout`,
+    /// `--upstream-timeout`). For HTTP/2 this closes a connection with no
+    /// open stream, whatever pings or settings it sends.
+    async fn serve<I>(self, io: I, root: Tracked)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let Conn {
+            builder,
+            watcher,
+            peer,
+            slot,
+            header_timeout,
+        } = self;
         let _slot = slot;
-        let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(root));
+        let mut activity = root.activity.subscribe();
+        let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(root));
         let conn = watcher.watch(conn);
         tokio::pin!(conn);
         let result = loop {
@@ -598,7 +677,7 @@ fn serve_connection(
         if let Err(e) = result {
             tracing::debug!(%peer, error = %error_chain(&*e), "connection closed with an error");
         }
-    });
+    }
 }
 
 /// The service of one connection: counts its requests in flight (from the
@@ -779,6 +858,9 @@ struct Root {
     /// The layer, for `POST /_idem/tokens` (issuing in the scope the layer
     /// derives).
     tokens: Arc<TokenEndpoint>,
+    /// The verified client certificate of this connection (mTLS), put in
+    /// every request's extensions for [`ScopeBy::ClientCert`].
+    client_cert: Option<ClientCertificate>,
 }
 
 /// `POST /_idem/tokens`: the layer that issues (sharing the guarded
@@ -807,6 +889,11 @@ impl tower_service::Service<Request<Incoming>> for Root {
     /// path forwarded under the upstream's prefix all see one path. An
     /// ambiguous path gets 400 `ambiguous-path`, whatever the method.
     fn call(&mut self, mut req: Request<Incoming>) -> Self::Future {
+        // Whatever the request says: only the TLS stack sets it.
+        req.extensions_mut().remove::<ClientCertificate>();
+        if let Some(cert) = &self.client_cert {
+            req.extensions_mut().insert(cert.clone());
+        }
         if let Err(resp) = check_host(&req) {
             return Box::pin(std::future::ready(Ok(resp)));
         }
@@ -953,7 +1040,7 @@ async fn issue_token(req: &Request<Incoming>, layer: &IdempotencyLayer) -> Respo
     if req.method() != Method::POST {
         return method_not_allowed("/_idem/tokens answers POST", "POST");
     }
-    match layer.issue_token(req.headers()).await {
+    match layer.issue_token_in(req.headers(), req.extensions()).await {
         Ok(issued) => json(
             StatusCode::CREATED,
             &serde_json::json!({
@@ -961,6 +1048,14 @@ async fn issue_token(req: &Request<Incoming>, layer: &IdempotencyLayer) -> Respo
                 "expires_in": issued.expires_in_secs(),
             }),
         ),
+        Err(TokenIssueError::ScopeRequired) if layer.options().scope == ScopeBy::ClientCert => {
+            problem(
+                StatusCode::BAD_REQUEST,
+                "client-certificate-required",
+                "a submit token is issued to a caller, identified here by its TLS client \
+                 certificate; this request came without one",
+            )
+        }
         Err(TokenIssueError::ScopeRequired) => problem(
             StatusCode::BAD_REQUEST,
             "scope-required",

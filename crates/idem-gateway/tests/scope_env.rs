@@ -17,7 +17,7 @@ fn scope_names(args: &[&str]) -> Result<Vec<String>, ConfigError> {
     let c = Cli::try_parse_from(v).unwrap().g.into_config()?;
     match c.layer.scope {
         ScopeBy::Headers(names) => Ok(names.iter().map(ToString::to_string).collect()),
-        ScopeBy::Fixed(s) => panic!("fixed scope {s:?}"),
+        other => panic!("not a header scope: {other:?}"),
     }
 }
 

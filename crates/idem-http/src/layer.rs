@@ -519,7 +519,27 @@ impl IdempotencyLayer {
     /// until the oldest counted token expires), [`TokenIssueError::Issue`]
     /// when the store fails or `token_ttl` is 0.
     pub async fn issue_token(&self, headers: &HeaderMap) -> Result<IssuedToken, TokenIssueError> {
-        let scope = self.options.scope.scope_of(headers);
+        self.issue_token_in(headers, &http::Extensions::new()).await
+    }
+
+    /// [`IdempotencyLayer::issue_token`] for a request with these headers
+    /// and extensions: under [`crate::ScopeBy::ClientCert`] the scope is the
+    /// [`crate::ClientCertificate`] in `extensions`
+    /// ([`crate::ScopeBy::scope_in`]).
+    ///
+    /// # Errors
+    /// As [`IdempotencyLayer::issue_token`];
+    /// [`TokenIssueError::ScopeRequired`] also for a request without the
+    /// client certificate its scope needs.
+    pub async fn issue_token_in(
+        &self,
+        headers: &HeaderMap,
+        extensions: &http::Extensions,
+    ) -> Result<IssuedToken, TokenIssueError> {
+        let Ok(scope) = self.options.scope.scope_in(headers, extensions) else {
+            token_rejected(TokenRejection::ScopeRequired);
+            return Err(TokenIssueError::ScopeRequired);
+        };
         if scope == Scope::anonymous() && !self.options.anonymous_tokens {
             token_rejected(TokenRejection::ScopeRequired);
             return Err(TokenIssueError::ScopeRequired);

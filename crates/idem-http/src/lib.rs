@@ -158,7 +158,7 @@ pub use path::{normalize_path, PathError};
 pub use policy::{default_policy, Disposition, StatusPatternError, StatusPolicy};
 pub use problem::{problem, Problem, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 pub use routes::{KeySource, PathPattern, Route, RouteError};
-pub use scope::ScopeBy;
+pub use scope::{ClientCertificate, ClientCertificateRequired, ScopeBy, CLIENT_CERT_SCOPE_TAG};
 pub use service::IdempotencyService;
 pub use tokens::{TokenCap, TokenIssueError, DEFAULT_MAX_LIVE_TOKENS, DEFAULT_TOKENS_PER_SCOPE};
 /// The tracker of the tasks that run guarded requests (re-exported from

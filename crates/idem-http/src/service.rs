@@ -213,7 +213,10 @@ where
             // Known once the body is read.
             KeySource::JsonPointer(_) => None,
         };
-        let scope = scope_by.scope_of(req.headers());
+        let scope = match scope_by.scope_in(req.headers(), req.extensions()) {
+            Ok(scope) => scope,
+            Err(e) => return ready(log.rejected(client_certificate_required(&e))),
+        };
         if let Some(len) = content_length(req.headers()) {
             if len > options.max_body as u64 {
                 let problem = too_large(options.max_body);
@@ -244,6 +247,20 @@ where
             .respond::<S, S::Future, S::Error, B, RB>(inner, req, self.tracker.clone())
             .in_span(entered.exit())
     }
+}
+
+/// 400 `client-certificate-required`: scoped by the TLS client
+/// certificate ([`crate::ScopeBy::ClientCert`]), and the request came
+/// without one. Never the anonymous scope: two callers would share keys.
+fn client_certificate_required(e: &crate::ClientCertificateRequired) -> Problem {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "client-certificate-required",
+        format!(
+            "{e}: send the request over a TLS connection that presents a client certificate \
+             this server trusts."
+        ),
+    )
 }
 
 /// 428 `token-required`: a token route without a key.

@@ -517,6 +517,17 @@ impl GatewayArgs {
                 require_token.push(prefix);
             }
         }
+        let scope = match self.scope_from {
+            ScopeFrom::Headers => ScopeBy::Headers(names),
+            ScopeFrom::ClientCert if names == [http::header::AUTHORIZATION] => ScopeBy::ClientCert,
+            ScopeFrom::ClientCert => {
+                return Err(ConfigError::ScopeFrom(
+                    "client-cert scopes every request by its TLS client certificate; \
+                     --scope-header (or `scope_header`) would be ignored: leave it out"
+                        .into(),
+                ))
+            }
+        };
         let mut config = GatewayConfig::new(upstream);
         config.listen = self.listen;
         config.store = self.store;
@@ -525,7 +536,7 @@ impl GatewayArgs {
         config.layer = Options {
             methods: self.methods,
             require_key: self.require_key,
-            scope: ScopeBy::Headers(names),
+            scope,
             max_body: self.max_body,
             retention_limit: self.retention_limit,
             lease: self.lease,
@@ -898,6 +909,7 @@ impl GatewayConfig {
                 check_scope_header(name).map_err(ConfigError::ScopeHeader)?;
             }
         }
+        self.validate_scope_from()?;
         idem_http::routes::validate_routes(&self.routes).map_err(ConfigError::Route)?;
         for route in self.routes.iter().filter(|r| r.guard) {
             self.validate_route(route).map_err(|reason| {
@@ -910,9 +922,41 @@ impl GatewayConfig {
         Ok(())
     }
 
+    /// `--scope-from client-cert` needs `--tls-client-ca`, and then scopes
+    /// the layer and every route by the client certificate (a route cannot
+    /// fall back to headers); `layer.scope` says the same as `scope_from`.
+    fn validate_scope_from(&self) -> Result<(), ConfigError> {
+        let by_cert = self.scope_from == ScopeFrom::ClientCert;
+        if by_cert != (self.layer.scope == ScopeBy::ClientCert) {
+            return Err(ConfigError::ScopeFrom(format!(
+                "scope_from is {} but layer.scope is {}; set both to client-cert \
+                 (ScopeFrom::ClientCert with ScopeBy::ClientCert) or neither",
+                self.scope_from,
+                show_scope(&self.layer.scope)
+            )));
+        }
+        if by_cert && self.tls.as_ref().is_none_or(|t| t.client_ca.is_none()) {
+            return Err(ConfigError::ScopeFrom(
+                "client-cert needs --tls-client-ca (and --tls-cert/--tls-key): without \
+                 verified client certificates no request could be scoped"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// The gateway's checks of one guarded route, as of the top level.
     fn validate_route(&self, route: &idem_http::Route) -> Result<(), String> {
         let o = &route.options;
+        if (self.scope_from == ScopeFrom::ClientCert) != (o.scope == ScopeBy::ClientCert) {
+            return Err(format!(
+                "scoped by {} while the gateway runs with --scope-from {}; under client-cert \
+                 a route cannot set `scope_headers` (remove it: every guarded request is \
+                 scoped by its client certificate)",
+                show_scope(&o.scope),
+                self.scope_from
+            ));
+        }
         let show = |d: Duration| humantime::format_duration(d).to_string();
         if o.lease < MIN_LEASE {
             return Err(format!(
@@ -1009,6 +1053,7 @@ pub(crate) fn show_scope(scope: &ScopeBy) -> String {
             .collect::<Vec<_>>()
             .join(","),
         ScopeBy::Fixed(_) => "fixed".to_owned(),
+        ScopeBy::ClientCert => "client-cert".to_owned(),
     }
 }
 
@@ -1105,6 +1150,16 @@ pub enum ConfigError {
     /// a caller, or no scope header is given.
     #[error("--scope-header: {0}")]
     ScopeHeader(String),
+    /// `--scope-from client-cert` cannot work as set: without
+    /// `--tls-client-ca` (no request would carry a verified certificate),
+    /// with an explicit `--scope-header`, a route with `scope_headers`, or a
+    /// [`GatewayConfig`] whose `layer.scope` and `scope_from` disagree.
+    #[error("--scope-from: {0}")]
+    ScopeFrom(String),
+    /// A TLS certificate, key or CA file cannot be used (it names the flag
+    /// and the file).
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     /// A `--require-token` prefix is not a path prefix.
     #[error("--require-token: {0}")]
     RequireToken(String),
@@ -1571,7 +1626,7 @@ mod tests {
     fn scope_names(c: &GatewayConfig) -> Vec<String> {
         match &c.layer.scope {
             ScopeBy::Headers(names) => names.iter().map(ToString::to_string).collect(),
-            ScopeBy::Fixed(s) => panic!("fixed scope {s:?}"),
+            other => panic!("not a header scope: {other:?}"),
         }
     }
 
@@ -1696,6 +1751,53 @@ mod tests {
         );
         let c = g(&["--scope-header=cookie"]).unwrap();
         assert_eq!(scope_names(&c), vec!["cookie"]);
+    }
+
+    #[test]
+    fn scope_from_client_cert_needs_a_client_ca_and_no_scope_header() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        let tls = ["--tls-cert", "c.pem", "--tls-key", "k.pem"];
+        let with = |more: &[&'static str]| {
+            let mut v: Vec<&str> = tls.to_vec();
+            v.extend_from_slice(more);
+            g(&v)
+        };
+        let e = with(&["--scope-from", "client-cert"]).unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::ScopeFrom(m) if m.contains("--tls-client-ca")),
+            "{e}"
+        );
+        let c = with(&["--tls-client-ca", "ca.pem", "--scope-from", "client-cert"]).unwrap();
+        assert_eq!(c.layer.scope, ScopeBy::ClientCert);
+        assert_eq!(c.scope_from, ScopeFrom::ClientCert);
+        assert_eq!(show_scope(&c.layer.scope), "client-cert");
+        let e = with(&[
+            "--tls-client-ca",
+            "ca.pem",
+            "--scope-from",
+            "client-cert",
+            "--scope-header",
+            "x-api-key",
+        ])
+        .unwrap_err();
+        assert!(matches!(e, ConfigError::ScopeFrom(_)), "{e}");
+        // A route that would scope by headers under client-cert.
+        let mut c = c;
+        let mut o = c.layer.clone();
+        o.scope = ScopeBy::Headers(vec![HeaderName::from_static("x-api-key")]);
+        c.routes
+            .push(idem_http::Route::new("by-header", "/h", o).unwrap());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("by-header") && e.contains("scope_headers"),
+            "{e}"
+        );
+        // Headers (the default) need no TLS.
+        assert!(matches!(g(&[]).unwrap().layer.scope, ScopeBy::Headers(_)));
     }
 
     #[test]

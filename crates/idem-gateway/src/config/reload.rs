@@ -33,13 +33,19 @@
 //! every top-level key not in [`RELOADABLE`]) that changed are named in a
 //! WARN and not applied; the reload still counts as applied.
 //!
+//! `scope_from` and the `tls_*` keys are restart-only like the listener:
+//! a change is named in that WARN, and the layer and the routes keep the
+//! way of scoping the gateway started with (certificate or headers). The
+//! TLS certificate's *content* is reloaded on its own (see the TLS
+//! listener: on SIGHUP and when its files change).
+//!
 //! Metrics: [`RELOADS`] `idem_config_reloads_total{result="ok"|"error"}`
 //! and [`LAST_RELOAD_SUCCESS`] `idem_config_last_reload_success` (1 or 0).
 
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use idem_http::IdempotencyLayer;
+use idem_http::{IdempotencyLayer, ScopeBy};
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
@@ -360,6 +366,8 @@ async fn reload_once(
         );
     }
     let restart: Vec<String> = restart_needed(&source.report, &loaded.report);
+    let mut loaded = loaded;
+    keep_scoping(&layer.options().scope, &mut loaded.config);
     let mut options = loaded.config.layer.clone();
     options.fail_open = layer.options().fail_open.clone();
     let routes = loaded.config.routes.len();
@@ -392,6 +400,23 @@ async fn reload_once(
     );
     metrics::counter!(RELOADS, "result" => "ok").increment(1);
     metrics::gauge!(LAST_RELOAD_SUCCESS).set(1.0);
+}
+
+/// `scope_from` (client certificate or headers) needs a restart: when the
+/// file now says otherwise than the running gateway, the layer and every
+/// route keep the scope the gateway started with (`running`), and the
+/// restart WARN names `scope_from`. Applying it would scope requests by a
+/// certificate the listener does not ask for, or drop certificate scoping
+/// for header values a caller chooses.
+fn keep_scoping(running: &ScopeBy, config: &mut super::GatewayConfig) {
+    let by_cert = |s: &ScopeBy| *s == ScopeBy::ClientCert;
+    if by_cert(running) == by_cert(&config.layer.scope) {
+        return;
+    }
+    config.layer.scope = running.clone();
+    for route in &mut config.routes {
+        route.options.scope = running.clone();
+    }
 }
 
 /// The top-level keys outside [`RELOADABLE`] whose effective value differs
@@ -438,6 +463,37 @@ mod tests {
         ]);
         assert_eq!(restart_needed(&a, &b), vec!["listen"]);
         assert!(restart_needed(&a, &a).is_empty());
+    }
+
+    #[test]
+    fn tls_and_scope_from_need_a_restart() {
+        for k in ["tls_cert", "tls_key", "tls_client_ca", "scope_from"] {
+            assert!(!RELOADABLE.contains(&k), "{k}");
+            let a = report(&[(k, "a")]);
+            let b = report(&[(k, "b")]);
+            assert_eq!(restart_needed(&a, &b), vec![k.to_owned()]);
+        }
+    }
+
+    #[test]
+    fn a_reload_keeps_the_running_way_of_scoping() {
+        let mut c = super::super::GatewayConfig::new("http://127.0.0.1:1".parse().unwrap());
+        let route = idem_http::Route::new("r", "/r", c.layer.clone()).unwrap();
+        c.routes.push(route);
+        // Running by certificate, the file now by headers: kept.
+        keep_scoping(&ScopeBy::ClientCert, &mut c);
+        assert_eq!(c.layer.scope, ScopeBy::ClientCert);
+        assert_eq!(c.routes[0].options.scope, ScopeBy::ClientCert);
+        // Running by headers, the file now by certificate: the start's headers.
+        let start = ScopeBy::Headers(vec![http::HeaderName::from_static("x-api-key")]);
+        keep_scoping(&start, &mut c);
+        assert_eq!(c.layer.scope, start);
+        assert_eq!(c.routes[0].options.scope, start);
+        // The same way of scoping: the file's (reloadable) headers apply.
+        let other = ScopeBy::Headers(vec![http::HeaderName::from_static("x-tenant")]);
+        c.layer.scope = other.clone();
+        keep_scoping(&start, &mut c);
+        assert_eq!(c.layer.scope, other);
     }
 
     #[test]

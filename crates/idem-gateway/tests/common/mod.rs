@@ -24,6 +24,8 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+pub mod tls;
+
 /// What the upstream saw of one request.
 #[derive(Debug, Clone)]
 pub struct Seen {
