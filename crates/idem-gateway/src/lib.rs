@@ -250,6 +250,7 @@ mod proxy;
 mod server;
 mod store;
 pub mod tls;
+mod upgrade;
 
 pub use config::file as config_file;
 pub use config::reload;

@@ -336,8 +336,12 @@ impl Proxy {
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
 
+        let upgrade = crate::upgrade::asked(&mut parts);
         let headers = &mut parts.headers;
         strip_hop_by_hop(headers);
+        if let Some(asked) = &upgrade {
+            asked.restore(headers);
+        }
         // `Expect: 100-continue` was answered by this hop's server already.
         headers.remove(header::EXPECT);
         let trusted = self.upstream.trusts(self.peer.ip());
@@ -364,17 +368,23 @@ impl Proxy {
         record_upstream(&span, &sent);
         match sent {
             Ok(Ok(resp)) if resp.status().is_informational() => {
-                // Only a 101 reaches here (hyper skips other 1xx). The
-                // gateway strips `Upgrade` from requests and does not
-                // proxy upgraded connections: the answer is unusable.
-                tracing::error!(%method, %path, status = resp.status().as_u16(), "the upstream switched protocols; upgrades are not proxied");
+                // Only a 101 reaches here (hyper skips other 1xx): the
+                // upgrade the request asked for (see `crate::upgrade`),
+                // or an answer to a request that asked for none (a guarded
+                // one never does: its `Upgrade` was stripped), unusable.
+                if let Some(asked) = upgrade {
+                    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+                        return asked.switch(resp);
+                    }
+                }
+                tracing::error!(%method, %path, status = resp.status().as_u16(), "the upstream switched protocols on a request that asked for no upgrade");
                 with_disposition(
                     problem(
                         StatusCode::BAD_GATEWAY,
                         "upstream-protocol",
                         format!(
-                            "the upstream answered {} (switching protocols); the gateway does not \
-                             proxy protocol upgrades, and nothing was stored",
+                            "the upstream answered {} (switching protocols) to a request that \
+                             asked for no upgrade the gateway passes on, and nothing was stored",
                             resp.status().as_u16()
                         ),
                     ),

@@ -33,6 +33,7 @@ use crate::health::Health;
 use crate::limits::ConnectionCap;
 use crate::proxy::{self, error_chain, Proxy, Upstream, UpstreamClient};
 use crate::store::{open_store_with, StoreKind};
+use crate::upgrade::{ConnectionSlot, Tunnels};
 
 /// Paths under this prefix are answered by the gateway itself and never proxied.
 pub const RESERVED_PREFIX: &str = "/_idem/";
@@ -304,7 +305,13 @@ impl Gateway {
         let door = Door::new(config.header_timeout, cap.connections);
         accept_until(listener, shutdown, &routes, &graceful, &door).await;
         reload_stop.cancel();
-        drain(graceful, routes.layer.tracker(), config.shutdown_grace).await;
+        drain(
+            graceful,
+            routes.layer.tracker(),
+            &routes.tunnels,
+            config.shutdown_grace,
+        )
+        .await;
         purge.abort();
         Ok(())
     }
@@ -411,6 +418,8 @@ struct Routes {
     /// `idem_upstream_duration_seconds`.
     upstream_duration: metrics::Histogram,
     health: Arc<Health>,
+    /// The upgraded connections (WebSocket), closed by the drain.
+    tunnels: Tunnels,
 }
 
 impl Routes {
@@ -440,6 +449,7 @@ impl Routes {
             upstream_timeout: config.upstream_timeout,
             upstream_duration: metrics::histogram!(admin::metrics::UPSTREAM_DURATION),
             health,
+            tunnels: Tunnels::default(),
         }
     }
 
@@ -505,7 +515,7 @@ async fn accept_until(
                     stream,
                     peer,
                     root,
-                    slot,
+                    routes.tunnels.slot(slot),
                     door.header_timeout,
                 );
             }
@@ -541,7 +551,9 @@ impl Door {
 }
 
 /// Serves one connection on a task of its own, watched by `graceful`,
-/// holding its connection `slot` until it closes.
+/// holding its connection `slot` until it closes, or, when one of its
+/// requests is upgraded (`crate::upgrade`), lending it to the tunnel,
+/// which holds it until the upgraded connection closes.
 ///
 /// The connection is closed once it has had no request in flight for
 /// `header_timeout`: from accept (hyper's own header read timeout only
@@ -558,15 +570,22 @@ fn serve_connection(
     stream: TcpStream,
     peer: SocketAddr,
     root: Tracked,
-    slot: OwnedSemaphorePermit,
+    slot: ConnectionSlot,
     header_timeout: Duration,
 ) {
     let watcher = graceful.watcher();
     let builder = builder.clone();
     let mut activity = root.activity.subscribe();
     tokio::spawn(async move {
-        let _slot = slot;
-        let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(root));
+        let _slot = slot.hold();
+        let service = tower::ServiceExt::map_request(root, move |mut req: Request<Incoming>| {
+            req.extensions_mut().insert(slot.clone());
+            req
+        });
+        let conn = builder.serve_connection_with_upgrades(
+            TokioIo::new(stream),
+            TowerToHyperService::new(service),
+        );
         let conn = watcher.watch(conn);
         tokio::pin!(conn);
         let result = loop {
@@ -681,11 +700,18 @@ impl tower_service::Service<Request<Incoming>> for Tracked {
 }
 
 /// Waits, for at most `grace` in all, for the open connections to finish
-/// their requests and then for the layer's runs whose clients left
-/// (`tracker`) to store their results.
-async fn drain(graceful: GracefulShutdown, tracker: &TaskTracker, grace: Duration) {
+/// their requests, for the upgraded connections (`tunnels`) to close (those
+/// still open at the deadline are closed then), and for the layer's runs
+/// whose clients left (`tracker`) to store their results.
+async fn drain(
+    graceful: GracefulShutdown,
+    tracker: &TaskTracker,
+    tunnels: &Tunnels,
+    grace: Duration,
+) {
     tracing::info!(
         connections = graceful.count(),
+        upgraded = tunnels.len(),
         runs = tracker.len(),
         "shutting down: no new connections; waiting for in-flight requests"
     );
@@ -697,6 +723,7 @@ async fn drain(graceful: GracefulShutdown, tracker: &TaskTracker, grace: Duratio
             "in-flight requests did not finish in time; their keys stay in flight until their leases end"
         ),
     }
+    tunnels.close_by(deadline).await;
     // Guarded requests whose clients left run on in the layer's tasks;
     // wait for them to store their results before the process can exit.
     tracker.close();
