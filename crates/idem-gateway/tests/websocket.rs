@@ -63,6 +63,8 @@ impl WsServer {
     }
 }
 
+// The handshake callback's `Result` is tungstenite's, its error a whole response.
+#[allow(clippy::result_large_err)]
 async fn ws_server() -> WsServer {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
