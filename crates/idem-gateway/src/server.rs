@@ -243,6 +243,8 @@ impl Gateway {
     /// together take at most [`GatewayConfig::shutdown_grace`] (default
     /// 30 s) from the moment `shutdown` resolves; runs still going then are
     /// abandoned and their keys stay in flight until their leases end.
+    /// Upgraded connections (WebSocket) are waited for within the same
+    /// bound, and those still open at its end are closed.
     ///
     /// A background task purges expired records every
     /// [`GatewayConfig::purge_interval`] (`--purge-interval`); its errors

@@ -11,7 +11,8 @@
 //!   handshake is a GET). Any other request loses its `Upgrade` as every
 //!   hop-by-hop field, so a guarded request is never upgraded, whatever
 //!   `--methods`, the routes or a reload say; an upstream 101 to it is a
-//!   502 `upstream-protocol`, the key released. HTTP/1.0 requests and
+//!   502 `upstream-protocol`, the key released. HTTP/1.0 requests,
+//!   `h2c` (an upgrade of one connection to HTTP/2, never tunnelled) and
 //!   HTTP/2 extended CONNECT (RFC 8441) are not upgraded.
 //! - **Which 101s.** The upstream's 101 must name in `Upgrade` a protocol
 //!   the client offered (RFC 9110 §7.8); otherwise, or when the upstream's
@@ -167,7 +168,7 @@ pub(crate) fn asked(parts: &mut request::Parts) -> Option<Asked> {
     {
         return None;
     }
-    let protocols = joined(&parts.headers, &header::UPGRADE)?;
+    let protocols = offer(&parts.headers)?;
     let client = parts.extensions.remove::<OnUpgrade>()?;
     Some(Asked {
         protocols,
@@ -263,6 +264,29 @@ fn joined(headers: &HeaderMap, name: &header::HeaderName) -> Option<HeaderValue>
         return None;
     }
     HeaderValue::from_str(&values.join(", ")).ok()
+}
+
+/// The protocols the client's `Upgrade` fields offer, joined, but `h2c`:
+/// an upgrade to HTTP/2 describes one connection (its `HTTP2-Settings` is
+/// hop-by-hop, and RFC 9113 §3.1 deprecates it), not something to tunnel.
+/// `None` when nothing is left.
+fn offer(headers: &HeaderMap) -> Option<HeaderValue> {
+    let protocols: Vec<&str> = headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .filter(|p| {
+            let name = p.split('/').next().unwrap_or("");
+            !name.trim().eq_ignore_ascii_case("h2c")
+        })
+        .collect();
+    if protocols.is_empty() {
+        return None;
+    }
+    HeaderValue::from_str(&protocols.join(", ")).ok()
 }
 
 /// Whether every protocol in `chosen` (the upstream's `Upgrade`) is one
@@ -420,6 +444,19 @@ mod tests {
         assert!(!offered(&client, &HeaderValue::from_static("h2c")));
         assert!(!offered(&client, &HeaderValue::from_static("tls/1.3")));
         assert!(!offered(&client, &HeaderValue::from_static(" , ")));
+    }
+
+    #[test]
+    fn h2c_is_never_offered_upstream() {
+        let mut h = HeaderMap::new();
+        h.append(header::UPGRADE, HeaderValue::from_static("h2c"));
+        assert_eq!(offer(&h), None);
+        h.append(
+            header::UPGRADE,
+            HeaderValue::from_static("H2C/1, websocket"),
+        );
+        h.append(header::UPGRADE, HeaderValue::from_static(" , foo/2"));
+        assert_eq!(offer(&h).unwrap(), "websocket, foo/2");
     }
 
     #[test]

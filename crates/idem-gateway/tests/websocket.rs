@@ -494,6 +494,9 @@ async fn an_upstream_101_the_client_did_not_ask_for_is_a_502() {
         "GET /ws HTTP/1.1\r\nHost: gw.test\r\nUpgrade: websocket",
         // HTTP/1.0 has no upgrades (RFC 9110 §7.8).
         "GET /ws HTTP/1.0\r\nHost: gw.test\r\nConnection: upgrade\r\nUpgrade: websocket",
+        // h2c upgrades one connection to HTTP/2: never tunnelled.
+        "GET /ws HTTP/1.1\r\nHost: gw.test\r\nConnection: upgrade, HTTP2-Settings\r\n\
+         Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__",
     ] {
         let (status, text) = raw(gw.addr, head, "").await;
         assert_eq!(status, 502, "{head:?}: {text}");
