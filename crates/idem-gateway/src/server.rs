@@ -517,7 +517,7 @@ async fn accept_until(
                     stream,
                     peer,
                     root,
-                    routes.tunnels.slot(slot),
+                    routes.tunnels.slot(slot, door.requests.clone()),
                     door.header_timeout,
                 );
             }

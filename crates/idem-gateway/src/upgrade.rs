@@ -19,7 +19,8 @@
 //!   side cannot be taken over, the client gets 502 `upstream-protocol`.
 //! - **The connection cap.** An upgraded connection keeps the slot its
 //!   client connection held under `--max-connections` ([`ConnectionSlot`])
-//!   until the tunnel closes.
+//!   until the tunnel closes, and counts as a request in flight (it holds
+//!   an upstream connection) while it copies.
 //! - **Closing.** When one side ends its stream (EOF or an error), the
 //!   other side's write half is shut down and its remaining bytes are
 //!   copied for at most [`CLOSE_LINGER`]; then both connections are
@@ -43,7 +44,7 @@ use hyper::upgrade::{OnUpgrade, Upgraded};
 use hyper_util::rt::TokioIo;
 use idem_http::{problem, BoxBody, Disposition, TaskTracker};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -78,11 +79,18 @@ impl Tunnels {
         self.tracker.len()
     }
 
-    /// The slot of a client connection, lent to a tunnel should one of its
-    /// requests be upgraded.
-    pub(crate) fn slot(&self, permit: OwnedSemaphorePermit) -> ConnectionSlot {
+    /// The slot `permit` of a client connection, lent to a tunnel should
+    /// one of its requests be upgraded; a tunnel also holds one of the
+    /// `requests` permits (one per request in flight, the bound on upstream
+    /// connections) while it copies.
+    pub(crate) fn slot(
+        &self,
+        permit: OwnedSemaphorePermit,
+        requests: Arc<Semaphore>,
+    ) -> ConnectionSlot {
         ConnectionSlot {
             permit: Arc::new(Mutex::new(Some(permit))),
+            requests,
             tunnels: self.clone(),
         }
     }
@@ -120,6 +128,9 @@ impl Tunnels {
 #[derive(Clone, Debug)]
 pub(crate) struct ConnectionSlot {
     permit: Arc<Mutex<Option<OwnedSemaphorePermit>>>,
+    /// The gateway's requests in flight, which an upgraded connection
+    /// counts among (it holds an upstream connection as a request does).
+    requests: Arc<Semaphore>,
     tunnels: Tunnels,
 }
 
@@ -216,6 +227,7 @@ impl Asked {
         let tunnels = self.slot.tunnels.clone();
         let tunnel = Tunnel {
             permit: self.slot.take(),
+            requests: self.slot.requests.clone(),
             protocol: String::from_utf8_lossy(chosen.as_bytes()).into_owned(),
             method: self.method,
             path: self.path,
@@ -310,6 +322,9 @@ fn offered(offered: &HeaderValue, chosen: &HeaderValue) -> bool {
 struct Tunnel {
     /// The client connection's slot under the connection cap.
     permit: Option<OwnedSemaphorePermit>,
+    /// A request permit is taken once both sides are upgraded (the 101's
+    /// own was given back when its response ended).
+    requests: Arc<Semaphore>,
     protocol: String,
     method: Method,
     path: String,
@@ -341,6 +356,10 @@ impl Tunnel {
                 tracing::debug!(target: "idem", method = %self.method, path = %self.path, error = %e, "an upgrade did not complete");
                 return;
             }
+        };
+        let _request = tokio::select! {
+            p = self.requests.clone().acquire_owned() => p.ok(),
+            () = self.stop.cancelled() => return,
         };
         let mut sent = 0;
         let mut received = 0;
@@ -472,14 +491,14 @@ mod tests {
     fn a_slot_taken_by_a_tunnel_outlives_its_connection() {
         let sem = Arc::new(tokio::sync::Semaphore::new(1));
         let tunnels = Tunnels::default();
-        let slot = tunnels.slot(sem.clone().try_acquire_owned().unwrap());
+        let slot = tunnels.slot(sem.clone().try_acquire_owned().unwrap(), sem.clone());
         let held = slot.hold();
         let taken = slot.take();
         drop(held);
         assert_eq!(sem.available_permits(), 0, "the tunnel holds it");
         drop(taken);
         assert_eq!(sem.available_permits(), 1);
-        let slot = tunnels.slot(sem.clone().try_acquire_owned().unwrap());
+        let slot = tunnels.slot(sem.clone().try_acquire_owned().unwrap(), sem.clone());
         let held = slot.hold();
         let _request = slot.clone();
         drop(held);
