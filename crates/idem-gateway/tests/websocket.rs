@@ -79,12 +79,17 @@ async fn ws_server() -> WsServer {
             let (seen, tx) = (seen.clone(), tx.clone());
             tokio::spawn(async move {
                 let mut path = String::new();
-                let record = |req: &Request, resp: Response| {
+                let record = |req: &Request, mut resp: Response| {
                     path = req.uri().path().to_owned();
                     seen.heads
                         .lock()
                         .unwrap()
                         .push((path.clone(), req.headers().clone()));
+                    let h = resp.headers_mut();
+                    h.insert("x-upstream", "ws-echo".parse().unwrap());
+                    if let Some(p) = req.headers().get("sec-websocket-protocol") {
+                        h.insert("sec-websocket-protocol", p.clone());
+                    }
                     Ok(resp)
                 };
                 let Ok(ws) = tokio_tungstenite::accept_hdr_async(stream, record).await else {
@@ -143,8 +148,23 @@ async fn echo(mut ws: WebSocketStream<TcpStream>, close_after_one: bool) -> &'st
 
 /// A WebSocket client through the gateway at `gw`, to `path`.
 async fn connect(gw: &TestGateway, path: &str) -> Client {
-    let url = format!("ws://{}{path}", gw.addr);
-    let (ws, resp) = tokio::time::timeout(BOUND, tokio_tungstenite::connect_async(url))
+    connect_with(gw, path, &[]).await.0
+}
+
+/// [`connect`] with extra request `headers`; the 101's headers beside.
+async fn connect_with(
+    gw: &TestGateway,
+    path: &str,
+    headers: &[(&'static str, &'static str)],
+) -> (Client, http::HeaderMap) {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut req = format!("ws://{}{path}", gw.addr)
+        .into_client_request()
+        .unwrap();
+    for (name, value) in headers {
+        req.headers_mut().insert(*name, value.parse().unwrap());
+    }
+    let (ws, resp) = tokio::time::timeout(BOUND, tokio_tungstenite::connect_async(req))
         .await
         .expect("the handshake finishes")
         .expect("the handshake succeeds through the gateway");
@@ -154,7 +174,7 @@ async fn connect(gw: &TestGateway, path: &str) -> Client {
         "{:?}",
         resp.headers()
     );
-    ws
+    (ws, resp.headers().clone())
 }
 
 /// The next data message, bounded.
@@ -180,7 +200,16 @@ async fn rig_ws() -> (WsServer, TestGateway) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_and_binary_are_echoed_through_the_gateway() {
     let (up, gw) = rig_ws().await;
-    let mut ws = connect(&gw, "/chat?room=1").await;
+    let (mut ws, answer) =
+        connect_with(&gw, "/chat?room=1", &[("sec-websocket-protocol", "chat")]).await;
+    assert_eq!(answer["upgrade"], "websocket", "{answer:?}");
+    let connection = answer["connection"].to_str().unwrap().to_ascii_lowercase();
+    assert_eq!(connection, "upgrade", "{answer:?}");
+    assert_eq!(answer["sec-websocket-protocol"], "chat", "{answer:?}");
+    assert_eq!(
+        answer["x-upstream"], "ws-echo",
+        "the upstream's fields pass"
+    );
     ws.send(Message::text("hello")).await.unwrap();
     assert_eq!(next(&mut ws).await, Message::text("hello"));
     let bytes: Vec<u8> = (0..=255).collect();
@@ -191,6 +220,7 @@ async fn text_and_binary_are_echoed_through_the_gateway() {
     let heads = up.saw.heads.lock().unwrap().clone();
     let (path, h) = &heads[0];
     assert_eq!(path, "/chat");
+    assert_eq!(h["sec-websocket-protocol"], "chat");
     let connection = h["connection"].to_str().unwrap().to_ascii_lowercase();
     assert_eq!(connection, "upgrade", "{h:?}");
     assert_eq!(h["upgrade"], "websocket");
