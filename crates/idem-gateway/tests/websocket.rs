@@ -178,7 +178,10 @@ async fn connect_with(
 }
 
 /// The next data message, bounded.
-async fn next(ws: &mut Client) -> Message {
+async fn next<S>(ws: &mut WebSocketStream<S>) -> Message
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     loop {
         let m = tokio::time::timeout(BOUND, ws.next())
             .await
