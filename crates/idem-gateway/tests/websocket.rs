@@ -95,7 +95,11 @@ async fn ws_server() -> WsServer {
                 let Ok(ws) = tokio_tungstenite::accept_hdr_async(stream, record).await else {
                     return;
                 };
-                let end = echo(ws, path == "/close-after-one").await;
+                let end = if path == "/drop-after-one" {
+                    drop_after_one(ws).await
+                } else {
+                    echo(ws, path == "/close-after-one").await
+                };
                 let _ = tx.send(end);
             });
         }
@@ -106,6 +110,15 @@ async fn ws_server() -> WsServer {
         ends,
         task,
     }
+}
+
+/// Echoes one message, then drops the connection without a Close frame
+/// (a crashed server).
+async fn drop_after_one(mut ws: WebSocketStream<TcpStream>) -> &'static str {
+    if let Some(Ok(m)) = ws.next().await {
+        let _ = ws.send(m).await;
+    }
+    "dropped"
 }
 
 /// Echoes text and binary messages until the connection ends; closes
@@ -317,6 +330,30 @@ async fn a_close_from_the_server_reaches_the_client_and_is_answered() {
     let end = tokio::time::timeout(BOUND, ws.next()).await.expect("ends");
     assert!(!matches!(end, Some(Ok(_))), "{end:?}");
     assert_eq!(up.next_end().await, "closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_drops_the_connection_ends_the_clients() {
+    let (mut up, gw) = rig_ws().await;
+    let mut ws = connect(&gw, "/drop-after-one").await;
+    ws.send(Message::text("one")).await.unwrap();
+    assert_eq!(next(&mut ws).await, Message::text("one"));
+    assert_eq!(up.next_end().await, "dropped");
+    let end = tokio::time::timeout(BOUND, ws.next())
+        .await
+        .expect("the client's connection ends");
+    assert!(!matches!(end, Some(Ok(_))), "{end:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_drops_the_connection_ends_the_servers() {
+    let (mut up, gw) = rig_ws().await;
+    let mut ws = connect(&gw, "/ws").await;
+    ws.send(Message::text("one")).await.unwrap();
+    assert_eq!(next(&mut ws).await, Message::text("one"));
+    drop(ws);
+    let end = up.next_end().await;
+    assert!(end == "error" || end == "eof", "{end}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
