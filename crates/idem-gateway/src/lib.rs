@@ -126,9 +126,18 @@
 //!   path prefix, if any, is put in front of the path.
 //! - Hop-by-hop fields (RFC 9110 §7.6.1) are removed in both directions:
 //!   `Connection` and the fields it names, `Keep-Alive`, `Proxy-Connection`,
-//!   `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade` (so protocol upgrades
-//!   such as WebSocket are not proxied). `Expect` is removed too: this hop
-//!   already answered `100-continue`. See [`strip_hop_by_hop`].
+//!   `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`. `Expect` is removed
+//!   too: this hop already answered `100-continue`. See [`strip_hop_by_hop`].
+//! - **Upgrades** (WebSocket): an HTTP/1.1 `GET` (or `HEAD`, `OPTIONS`,
+//!   `TRACE`: the methods idem never guards) with `Connection: upgrade` and
+//!   `Upgrade` keeps both fields for the upstream; its `101 Switching
+//!   Protocols` goes back to the client and the two connections are joined
+//!   until either side closes. A guarded request is never upgraded (its
+//!   `Upgrade` is stripped; an upstream 101 to it is a 502
+//!   `upstream-protocol`, the key released), nor is HTTP/2 extended
+//!   CONNECT (RFC 8441). An upgraded connection counts against
+//!   `--max-connections` until it closes, has no idle timeout, and is closed
+//!   at the shutdown deadline.
 //! - `X-Forwarded-For` gets the client's IP appended ([`append_forwarded_for`]);
 //!   `X-Forwarded-Proto: http` is added when absent.
 //! - **`Host` is rewritten to the upstream's authority** (as nginx's
@@ -227,7 +236,9 @@
 //! guarded requests whose clients already disconnected (they run on in the
 //! layer's tracked tasks) to store their results too. The whole wait is
 //! bounded by [`GatewayConfig::shutdown_grace`] (30 s); keys of runs still
-//! going then stay in flight until their leases end. Expired records are
+//! going then stay in flight until their leases end. Upgraded connections
+//! (WebSocket) are waited for within the same bound and closed at its end.
+//! Expired records are
 //! purged every [`GatewayConfig::purge_interval`] (`--purge-interval`,
 //! 60 s), the first time one interval after start.
 //!
@@ -250,6 +261,7 @@ mod proxy;
 mod server;
 mod store;
 pub mod tls;
+mod upgrade;
 
 pub use config::file as config_file;
 pub use config::reload;

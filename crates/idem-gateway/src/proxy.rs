@@ -415,12 +415,21 @@ impl Proxy {
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
 
+        // HTTP/2 has no Upgrade (RFC 9113 §8.2.2): none is asked of an h2 upstream.
+        let upgrade = if self.client.http2 {
+            None
+        } else {
+            crate::upgrade::asked(&mut parts)
+        };
         let headers = &mut parts.headers;
         let te_trailers = self.client.http2 && accepts_trailers(headers);
         strip_hop_by_hop(headers);
         if te_trailers {
             // The one `TE` allowed in HTTP/2 (RFC 9113 §8.2.2); gRPC needs it.
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
+        if let Some(asked) = &upgrade {
+            asked.restore(headers);
         }
         // `Expect: 100-continue` was answered by this hop's server already.
         headers.remove(header::EXPECT);
@@ -448,17 +457,23 @@ impl Proxy {
         record_upstream(&span, &sent);
         match sent {
             Ok(Ok(resp)) if resp.status().is_informational() => {
-                // Only a 101 reaches here (hyper skips other 1xx). The
-                // gateway strips `Upgrade` from requests and does not
-                // proxy upgraded connections: the answer is unusable.
-                tracing::error!(%method, %path, status = resp.status().as_u16(), "the upstream switched protocols; upgrades are not proxied");
+                // Only a 101 reaches here (hyper skips other 1xx): the
+                // upgrade the request asked for (see `crate::upgrade`),
+                // or an answer to a request that asked for none (a guarded
+                // one never does: its `Upgrade` was stripped), unusable.
+                if let Some(asked) = upgrade {
+                    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+                        return asked.switch(resp);
+                    }
+                }
+                tracing::error!(%method, %path, status = resp.status().as_u16(), "the upstream switched protocols on a request that asked for no upgrade");
                 with_disposition(
                     problem(
                         StatusCode::BAD_GATEWAY,
                         "upstream-protocol",
                         format!(
-                            "the upstream answered {} (switching protocols); the gateway does not \
-                             proxy protocol upgrades, and nothing was stored",
+                            "the upstream answered {} (switching protocols) to a request that \
+                             asked for no upgrade the gateway passes on, and nothing was stored",
                             resp.status().as_u16()
                         ),
                     ),

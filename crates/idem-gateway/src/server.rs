@@ -35,6 +35,7 @@ use crate::limits::ConnectionCap;
 use crate::proxy::{self, error_chain, Proxy, Upstream, UpstreamClient};
 use crate::store::{open_store_with, StoreKind};
 use crate::tls::listener::TlsListener;
+use crate::upgrade::{ConnectionSlot, Tunnels};
 
 /// Paths under this prefix are answered by the gateway itself and never proxied.
 pub const RESERVED_PREFIX: &str = "/_idem/";
@@ -254,6 +255,8 @@ impl Gateway {
     /// together take at most [`GatewayConfig::shutdown_grace`] (default
     /// 30 s) from the moment `shutdown` resolves; runs still going then are
     /// abandoned and their keys stay in flight until their leases end.
+    /// Upgraded connections (WebSocket) are waited for within the same
+    /// bound, and those still open at its end are closed.
     ///
     /// A background task purges expired records every
     /// [`GatewayConfig::purge_interval`] (`--purge-interval`); its errors
@@ -328,7 +331,13 @@ impl Gateway {
         let acceptor = tls.as_ref().map(|t| t.acceptor().clone());
         accept_until(listener, shutdown, &routes, &graceful, &door, acceptor).await;
         reload_stop.cancel();
-        drain(graceful, routes.layer.tracker(), config.shutdown_grace).await;
+        drain(
+            graceful,
+            routes.layer.tracker(),
+            &routes.tunnels,
+            config.shutdown_grace,
+        )
+        .await;
         purge.abort();
         Ok(())
     }
@@ -441,6 +450,8 @@ struct Routes {
     /// `idem_upstream_duration_seconds`.
     upstream_duration: metrics::Histogram,
     health: Arc<Health>,
+    /// The upgraded connections (WebSocket), closed by the drain.
+    tunnels: Tunnels,
 }
 
 impl Routes {
@@ -478,6 +489,7 @@ impl Routes {
             upstream_timeout: config.upstream_timeout,
             upstream_duration: metrics::histogram!(admin::metrics::UPSTREAM_DURATION),
             health,
+            tunnels: Tunnels::default(),
         })
     }
 
@@ -543,7 +555,7 @@ async fn accept_until(
                     builder: builder.clone(),
                     watcher: graceful.watcher(),
                     peer,
-                    slot,
+                    slot: routes.tunnels.slot(slot, door.requests.clone()),
                     header_timeout: door.header_timeout,
                 };
                 match &tls {
@@ -593,7 +605,7 @@ struct Conn {
     builder: auto::Builder<TokioExecutor>,
     watcher: hyper_util::server::graceful::Watcher,
     peer: SocketAddr,
-    slot: OwnedSemaphorePermit,
+    slot: ConnectionSlot,
     header_timeout: Duration,
 }
 
@@ -651,9 +663,16 @@ impl Conn {
             slot,
             header_timeout,
         } = self;
-        let _slot = slot;
+        // Held until the connection closes, or lent to the tunnel of an
+        // upgraded request (`crate::upgrade`) until that closes.
+        let _slot = slot.hold();
         let mut activity = root.activity.subscribe();
-        let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(root));
+        let service = tower::ServiceExt::map_request(root, move |mut req: Request<Incoming>| {
+            req.extensions_mut().insert(slot.clone());
+            req
+        });
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(io), TowerToHyperService::new(service));
         let conn = watcher.watch(conn);
         tokio::pin!(conn);
         let result = loop {
@@ -768,11 +787,18 @@ impl tower_service::Service<Request<Incoming>> for Tracked {
 }
 
 /// Waits, for at most `grace` in all, for the open connections to finish
-/// their requests and then for the layer's runs whose clients left
-/// (`tracker`) to store their results.
-async fn drain(graceful: GracefulShutdown, tracker: &TaskTracker, grace: Duration) {
+/// their requests, for the upgraded connections (`tunnels`) to close (those
+/// still open at the deadline are closed then), and for the layer's runs
+/// whose clients left (`tracker`) to store their results.
+async fn drain(
+    graceful: GracefulShutdown,
+    tracker: &TaskTracker,
+    tunnels: &Tunnels,
+    grace: Duration,
+) {
     tracing::info!(
         connections = graceful.count(),
+        upgraded = tunnels.len(),
         runs = tracker.len(),
         "shutting down: no new connections; waiting for in-flight requests"
     );
@@ -784,6 +810,7 @@ async fn drain(graceful: GracefulShutdown, tracker: &TaskTracker, grace: Duratio
             "in-flight requests did not finish in time; their keys stay in flight until their leases end"
         ),
     }
+    tunnels.close_by(deadline).await;
     // Guarded requests whose clients left run on in the layer's tasks;
     // wait for them to store their results before the process can exit.
     tracker.close();
