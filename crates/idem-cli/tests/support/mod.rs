@@ -216,6 +216,14 @@ impl RedisProc {
 
     /// Starts the server (again) on the same port and waits for `PING`.
     pub fn restart(&mut self) {
+        if let Err(e) = self.try_restart() {
+            panic!("{e}");
+        }
+    }
+
+    /// As [`RedisProc::restart`], but a server that exits at start (its
+    /// port taken meanwhile) is an `Err` naming the reason.
+    pub fn try_restart(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "already running");
         let program = "redis-server";
         let child = Command::new(program)
@@ -248,13 +256,14 @@ impl RedisProc {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if redis_ping(self.port) {
-                return;
+                return Ok(());
             }
             if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
-                panic!(
+                self.child = None;
+                return Err(format!(
                     "redis-server on port {} exited at start: {status}",
                     self.port
-                );
+                ));
             }
             assert!(
                 Instant::now() < deadline,
@@ -302,17 +311,34 @@ pub struct RedisCluster {
 impl RedisCluster {
     pub fn start(dir: &Path) -> Self {
         let mut nodes = Vec::new();
+        let mut failures = Vec::new();
         while nodes.len() < 3 {
             let port = free_addr().port();
-            if nodes.iter().any(|n: &RedisProc| n.port == port) {
+            // A cluster node also binds its bus on port + 10000, which
+            // another test's connection may hold: such a port is skipped,
+            // and a node that still loses the race is started elsewhere.
+            let bus_free = port
+                .checked_add(10000)
+                .is_some_and(|bus| std::net::TcpListener::bind(("127.0.0.1", bus)).is_ok());
+            if !bus_free || nodes.iter().any(|n: &RedisProc| n.port == port) {
                 continue;
             }
             let conf = format!("nodes-{port}.conf");
-            nodes.push(RedisProc::start_with(
-                dir,
+            let mut node = RedisProc {
+                child: None,
                 port,
-                &["--cluster-enabled", "yes", "--cluster-config-file", &conf],
-            ));
+                dir: dir.to_owned(),
+                extra: ["--cluster-enabled", "yes", "--cluster-config-file", &conf]
+                    .map(str::to_owned)
+                    .to_vec(),
+            };
+            match node.try_restart() {
+                Ok(()) => nodes.push(node),
+                Err(e) => {
+                    failures.push(e);
+                    assert!(failures.len() < 5, "no cluster node started: {failures:?}");
+                }
+            }
         }
         let addrs: Vec<String> = nodes
             .iter()
