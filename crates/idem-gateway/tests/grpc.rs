@@ -182,7 +182,9 @@ async fn rig() -> Rig {
 }
 
 /// A tonic client connected (h2c prior knowledge) to the gateway.
-async fn grpc_client(gw: SocketAddr) -> tonic::client::Grpc<tonic::transport::Channel> {
+type Client = tonic::client::Grpc<tonic::transport::Channel>;
+
+async fn grpc_client(gw: SocketAddr) -> Client {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{gw}"))
         .unwrap()
         .connect()
@@ -200,6 +202,30 @@ fn ask(text: &str, count: u32, fail: bool) -> Ask {
     }
 }
 
+/// The unary call `path` (`/test.Echo/Say`, …) with `req`.
+async fn unary(
+    grpc: &mut Client,
+    path: &'static str,
+    req: GrpcRequest<Ask>,
+) -> Result<GrpcResponse<Reply>, Status> {
+    grpc.ready().await.unwrap();
+    grpc.unary(req, PathAndQuery::from_static(path), ProstCodec::default())
+        .await
+}
+
+/// The server-streaming call `/test.Echo/Count` with `ask`.
+async fn count(grpc: &mut Client, ask: Ask) -> tonic::Streaming<Reply> {
+    grpc.ready().await.unwrap();
+    grpc.server_streaming(
+        GrpcRequest::new(ask),
+        PathAndQuery::from_static("/test.Echo/Count"),
+        ProstCodec::default(),
+    )
+    .await
+    .unwrap()
+    .into_inner()
+}
+
 #[tokio::test]
 async fn a_unary_call_goes_through_with_its_metadata() {
     let rig = rig().await;
@@ -207,15 +233,7 @@ async fn a_unary_call_goes_through_with_its_metadata() {
     let mut req = GrpcRequest::new(ask("hello", 0, false));
     req.metadata_mut()
         .insert("x-caller", MetadataValue::from_static("test"));
-    grpc.ready().await.unwrap();
-    let resp: GrpcResponse<Reply> = grpc
-        .unary(
-            req,
-            PathAndQuery::from_static("/test.Echo/Say"),
-            ProstCodec::default(),
-        )
-        .await
-        .unwrap();
+    let resp = unary(&mut grpc, "/test.Echo/Say", req).await.unwrap();
     assert_eq!(resp.metadata().get("x-served-by").unwrap(), "tonic");
     assert_eq!(resp.into_inner().text, "hello from test");
     // The upstream got HTTP/2 and the client's `te: trailers`.
@@ -230,27 +248,23 @@ async fn a_unary_call_goes_through_with_its_metadata() {
 async fn a_grpc_error_status_passes_through() {
     let rig = rig().await;
     let mut grpc = grpc_client(rig.gw.addr).await;
-    grpc.ready().await.unwrap();
-    let err = grpc
-        .unary::<Ask, Reply, _>(
-            GrpcRequest::new(ask("nope", 0, true)),
-            PathAndQuery::from_static("/test.Echo/Say"),
-            ProstCodec::default(),
-        )
-        .await
-        .unwrap_err();
+    let err = unary(
+        &mut grpc,
+        "/test.Echo/Say",
+        GrpcRequest::new(ask("nope", 0, true)),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert_eq!(err.message(), "failing: nope");
     assert_eq!(err.metadata().get("x-why").unwrap(), "asked-to-fail");
-    grpc.ready().await.unwrap();
-    let err = grpc
-        .unary::<Ask, Reply, _>(
-            GrpcRequest::new(ask("x", 0, false)),
-            PathAndQuery::from_static("/test.Echo/Missing"),
-            ProstCodec::default(),
-        )
-        .await
-        .unwrap_err();
+    let err = unary(
+        &mut grpc,
+        "/test.Echo/Missing",
+        GrpcRequest::new(ask("x", 0, false)),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(err.code(), Code::Unimplemented, "{err:?}");
 }
 
@@ -258,16 +272,7 @@ async fn a_grpc_error_status_passes_through() {
 async fn a_server_streaming_call_gets_every_message_and_the_trailers() {
     let rig = rig().await;
     let mut grpc = grpc_client(rig.gw.addr).await;
-    grpc.ready().await.unwrap();
-    let resp = grpc
-        .server_streaming::<Ask, Reply, _>(
-            GrpcRequest::new(ask("tick", 5, false)),
-            PathAndQuery::from_static("/test.Echo/Count"),
-            ProstCodec::default(),
-        )
-        .await
-        .unwrap();
-    let mut stream = resp.into_inner();
+    let mut stream = count(&mut grpc, ask("tick", 5, false)).await;
     let mut got = Vec::new();
     while let Some(reply) = stream.message().await.unwrap() {
         got.push(reply.text);
@@ -279,16 +284,7 @@ async fn a_server_streaming_call_gets_every_message_and_the_trailers() {
 
     // A stream that fails after its messages: the status and its metadata
     // come in the trailers.
-    grpc.ready().await.unwrap();
-    let resp = grpc
-        .server_streaming::<Ask, Reply, _>(
-            GrpcRequest::new(ask("boom", 2, true)),
-            PathAndQuery::from_static("/test.Echo/Count"),
-            ProstCodec::default(),
-        )
-        .await
-        .unwrap();
-    let mut stream = resp.into_inner();
+    let mut stream = count(&mut grpc, ask("boom", 2, true)).await;
     assert_eq!(stream.message().await.unwrap().unwrap().text, "boom 1");
     assert_eq!(stream.message().await.unwrap().unwrap().text, "boom 2");
     let err = stream.message().await.unwrap_err();

@@ -13,22 +13,10 @@ mod tls_servers;
 
 use std::time::Duration;
 
-use idem_core::{Phase, StoreError};
+use idem_core::StoreError;
 use idem_gateway::{open_store_with, StoreOptions};
 use idem_testkit::support::{acquire, fp, fresh_key, fresh_scope, random_hex, req, response};
-use tls_servers::TlsFiles;
-
-/// The error and all its sources, joined by `: `.
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut next = e.source();
-    while let Some(e) = next {
-        s.push_str(": ");
-        s.push_str(&e.to_string());
-        next = e.source();
-    }
-    s
-}
+use tls_servers::{chain, expect_connect_error, TlsFiles};
 
 fn options() -> StoreOptions {
     StoreOptions::default()
@@ -54,19 +42,7 @@ async fn opens_and_works(url: &str) {
 /// Opening `url` fails at connect (not by running out of time), and the
 /// error chain holds `needle`.
 async fn fails_at_start(url: &str, needle: &str) {
-    match open_store_with(url, &options()).await {
-        Ok(_) => panic!("{url}: opened, but must fail"),
-        Err(
-            e @ StoreError::Unavailable {
-                phase: Phase::Connect,
-                ..
-            },
-        ) => {
-            let text = chain(&e);
-            assert!(text.contains(needle), "{url}: {needle:?} not in {text:?}");
-        }
-        Err(e) => panic!("{url}: not a connect error: {e:?}"),
-    }
+    expect_connect_error(url, open_store_with(url, &options()).await, &[needle]);
 }
 
 fn p(path: &std::path::Path) -> String {

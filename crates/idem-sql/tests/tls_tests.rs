@@ -13,46 +13,11 @@
 
 mod tls_servers;
 
-use idem_core::{Phase, StoreError};
+use idem_core::StoreError;
 use idem_sql::{MySqlOptions, MySqlStore, PostgresOptions, PostgresStore};
 use idem_testkit::support::random_hex;
 use idem_testkit::SleepingHarness;
-use tls_servers::{TlsFiles, TlsServer};
-
-/// The error and all its sources, joined by `: `.
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut next = e.source();
-    while let Some(e) = next {
-        s.push_str(": ");
-        s.push_str(&e.to_string());
-        next = e.source();
-    }
-    s
-}
-
-/// `got` failed to connect; the error chain holds every one of `needles`.
-fn expect_connect_error<T>(what: &str, got: Result<T, StoreError>, needles: &[&str]) -> String {
-    let e = match got {
-        Ok(_) => panic!("{what}: connected, but must fail"),
-        Err(e) => e,
-    };
-    assert!(
-        matches!(
-            e,
-            StoreError::Unavailable {
-                phase: Phase::Connect,
-                ..
-            }
-        ),
-        "{what}: not a connect error: {e:?}"
-    );
-    let text = chain(&e);
-    for n in needles {
-        assert!(text.contains(n), "{what}: {n:?} not in {text:?}");
-    }
-    text
-}
+use tls_servers::{chain, expect_connect_error, TlsFiles, TlsServer};
 
 fn p(path: &std::path::Path) -> String {
     TlsFiles::param(path)
@@ -106,22 +71,7 @@ async fn pg_ssl(store: &PostgresStore) -> bool {
 mod postgres_tls {
     use super::*;
 
-    idem_testkit::conformance_tests!(@module conformance, pg_harness;
-        store_checks: [
-            claim_once,
-            concurrent_begins_one_winner,
-            complete_then_replay,
-            mismatch_in_flight_and_after_completion,
-            release_then_reclaim,
-            stale_fence_rejected,
-            get_and_delete,
-            wait_for_change_returns_early_on_complete,
-            odd_keys_and_scopes_round_trip,
-        ]
-        admin_checks: [list_filters_by_state_and_scope]
-        engine_checks: [engine_runs_once_under_concurrency]
-        token_checks: [token_issue_use_replay]
-    );
+    idem_testkit::conformance_tests!(@core conformance, pg_harness);
 
     /// `verify-full` with the right CA and host name connects, encrypted.
     #[tokio::test]
@@ -302,22 +252,7 @@ async fn my_tls_version(store: &MySqlStore) -> String {
 mod mariadb_tls {
     use super::*;
 
-    idem_testkit::conformance_tests!(@module conformance, my_harness;
-        store_checks: [
-            claim_once,
-            concurrent_begins_one_winner,
-            complete_then_replay,
-            mismatch_in_flight_and_after_completion,
-            release_then_reclaim,
-            stale_fence_rejected,
-            get_and_delete,
-            wait_for_change_returns_early_on_complete,
-            odd_keys_and_scopes_round_trip,
-        ]
-        admin_checks: [list_filters_by_state_and_scope]
-        engine_checks: [engine_runs_once_under_concurrency]
-        token_checks: [token_issue_use_replay]
-    );
+    idem_testkit::conformance_tests!(@core conformance, my_harness);
 
     /// `VERIFY_IDENTITY` with the right CA and name connects, encrypted.
     #[tokio::test]

@@ -19,6 +19,12 @@
 /// }
 /// ```
 ///
+/// `conformance_tests!(@core module, make)` writes only the core subset (one
+/// check of each kind of step), for a store reached a second way (over
+/// TLS, say) whose full suite runs elsewhere; `@module module, make;
+/// store_checks: [..] admin_checks: [..] engine_checks: [..]
+/// token_checks: [..]` names the checks one by one.
+///
 /// The tests run on a multi-threaded runtime (4 workers), so concurrency
 /// checks race for real.
 #[macro_export]
@@ -73,6 +79,28 @@ macro_rules! conformance_tests {
                 token_retry_after_release_runs,
                 token_never_runs_twice_after_result_expiry,
             ]
+        );
+    };
+    // The core subset: one check of each kind of step (claim, race,
+    // complete and replay, mismatch, release, fence, get/delete, wait,
+    // odd bytes, listing, the engine, a token), for a store reached a
+    // second way (e.g. over TLS) whose steps the full suite already covers.
+    (@core $module:ident, $make:expr) => {
+        $crate::conformance_tests!(@module $module, $make;
+            store_checks: [
+                claim_once,
+                concurrent_begins_one_winner,
+                complete_then_replay,
+                mismatch_in_flight_and_after_completion,
+                release_then_reclaim,
+                stale_fence_rejected,
+                get_and_delete,
+                wait_for_change_returns_early_on_complete,
+                odd_keys_and_scopes_round_trip,
+            ]
+            admin_checks: [list_filters_by_state_and_scope]
+            engine_checks: [engine_runs_once_under_concurrency]
+            token_checks: [token_issue_use_replay]
         );
     };
     (@module $module:ident, $make:expr;

@@ -16,8 +16,9 @@
 //!
 //! Shared by crates/idem-sql/tests/tls_tests.rs,
 //! crates/idem-redis/tests/tls_tests.rs and
-//! crates/idem-gateway/tests/store_tls.rs (by `#[path]`); it needs only
-//! std, `tempfile` and `idem-testkit` (feature `pki`).
+//! crates/idem-gateway/tests/store_tls.rs (by `#[path]`), with the checks
+//! of a refused connection ([`chain`], [`expect_connect_error`]); it needs
+//! only std, `tempfile`, `idem-core` and `idem-testkit` (feature `pki`).
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -28,6 +29,46 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use idem_testkit::pki::{TestCa, Usage};
+
+/// The error and all its sources, joined by `: `.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut next = e.source();
+    while let Some(e) = next {
+        s.push_str(": ");
+        s.push_str(&e.to_string());
+        next = e.source();
+    }
+    s
+}
+
+/// `got` failed at connect (not by a configuration error or a timeout),
+/// and its error chain holds every one of `needles`; returns the chain.
+pub fn expect_connect_error<T>(
+    what: &str,
+    got: Result<T, idem_core::StoreError>,
+    needles: &[&str],
+) -> String {
+    let e = match got {
+        Ok(_) => panic!("{what}: connected, but must fail"),
+        Err(e) => e,
+    };
+    assert!(
+        matches!(
+            e,
+            idem_core::StoreError::Unavailable {
+                phase: idem_core::Phase::Connect,
+                ..
+            }
+        ),
+        "{what}: not a connect error: {e:?}"
+    );
+    let text = chain(&e);
+    for n in needles {
+        assert!(text.contains(n), "{what}: {n:?} not in {text:?}");
+    }
+    text
+}
 
 /// How long a server (its set-up steps included) may take to start.
 pub const START_BOUND: Duration = Duration::from_secs(20);
