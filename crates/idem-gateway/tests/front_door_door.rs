@@ -8,7 +8,6 @@ mod common;
 use bytes::Bytes;
 use common::{read_request, upstream};
 use http_body_util::{BodyExt, Full};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::AsyncWriteExt;
 
 fn status_of(resp: &[u8]) -> u16 {
@@ -47,12 +46,7 @@ async fn absolute_form_targets_are_normalised_too() {
 async fn http2_lowercase_methods_are_refused_and_authority_is_enough() {
     let up = upstream().await;
     let gw = common::gateway(&up.url(), |_| {}).await;
-    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    let (mut send, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let mut send = common::h2_sender(gw.addr).await;
     let req = |method: &str, path: &str| {
         http::Request::builder()
             .method(http::Method::from_bytes(method.as_bytes()).unwrap())

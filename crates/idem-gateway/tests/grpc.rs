@@ -332,31 +332,41 @@ async fn trailer_echo() -> (SocketAddr, JoinHandle<()>) {
     (addr, task)
 }
 
-#[tokio::test]
-async fn http2_trailers_pass_in_both_directions_on_an_unguarded_request() {
-    let (up, _task) = trailer_echo().await;
+/// A gateway with `--upstream-http2` in front of [`trailer_echo`].
+async fn trailer_rig() -> (common::TestGateway, JoinHandle<()>) {
+    let (up, task) = trailer_echo().await;
     let mut config = common::config(&format!("http://{up}"));
     config.upstream_http2 = true;
-    let gw = common::gateway_with(config, Arc::new(MemoryStore::new())).await;
+    (
+        common::gateway_with(config, Arc::new(MemoryStore::new())).await,
+        task,
+    )
+}
 
-    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    let (mut send, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+type Frames = futures::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, Infallible>>>;
+
+/// A body of `data` then the trailer `x-checksum: abc123`.
+fn with_trailers(data: &'static [u8]) -> StreamBody<Frames> {
     let mut trailers = HeaderMap::new();
     trailers.insert("x-checksum", HeaderValue::from_static("abc123"));
     let frames: Vec<Result<Frame<Bytes>, Infallible>> = vec![
-        Ok(Frame::data(Bytes::from_static(b"payload"))),
+        Ok(Frame::data(Bytes::from_static(data))),
         Ok(Frame::trailers(trailers)),
     ];
+    StreamBody::new(futures::stream::iter(frames))
+}
+
+#[tokio::test]
+async fn http2_trailers_pass_in_both_directions_on_an_unguarded_request() {
+    let (gw, _task) = trailer_rig().await;
+
+    let mut send = common::h2_sender(gw.addr).await;
     // PUT is guarded by default only with a key; this one has none.
     let req = http::Request::builder()
         .method("PUT")
         .uri(format!("http://{}/stream", gw.addr))
         .header("te", "trailers")
-        .body(StreamBody::new(futures::stream::iter(frames)))
+        .body(with_trailers(b"payload"))
         .unwrap();
     let resp = send.send_request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
@@ -372,10 +382,7 @@ async fn http2_trailers_pass_in_both_directions_on_an_unguarded_request() {
 
 #[tokio::test]
 async fn an_http1_client_asking_for_trailers_gets_them_from_an_http2_upstream() {
-    let (up, _task) = trailer_echo().await;
-    let mut config = common::config(&format!("http://{up}"));
-    config.upstream_http2 = true;
-    let gw = common::gateway_with(config, Arc::new(MemoryStore::new())).await;
+    let (gw, _task) = trailer_rig().await;
     let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
         .await
@@ -404,32 +411,18 @@ async fn an_http1_client_asking_for_trailers_gets_them_from_an_http2_upstream() 
 /// are not forwarded (its body is buffered as data).
 #[tokio::test]
 async fn a_guarded_response_keeps_its_trailers_for_the_first_caller_only() {
-    let (up, _task) = trailer_echo().await;
-    let mut config = common::config(&format!("http://{up}"));
-    config.upstream_http2 = true;
-    let gw = common::gateway_with(config, Arc::new(MemoryStore::new())).await;
-    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    let (mut send, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-            .await
-            .unwrap();
-    tokio::spawn(conn);
+    let (gw, _task) = trailer_rig().await;
+    let mut send = common::h2_sender(gw.addr).await;
     let k = common::key("guarded-trailers");
     let mut calls = Vec::new();
     for _ in 0..2 {
-        let mut trailers = HeaderMap::new();
-        trailers.insert("x-checksum", HeaderValue::from_static("abc123"));
-        let frames: Vec<Result<Frame<Bytes>, Infallible>> = vec![
-            Ok(Frame::data(Bytes::from_static(b"{}"))),
-            Ok(Frame::trailers(trailers)),
-        ];
         let req = http::Request::builder()
             .method("POST")
             .uri(format!("http://{}/orders", gw.addr))
             .header("idempotency-key", k.as_str())
             .header("content-type", "application/json")
             .header("te", "trailers")
-            .body(StreamBody::new(futures::stream::iter(frames)))
+            .body(with_trailers(b"{}"))
             .unwrap();
         let resp = send.send_request(req).await.unwrap();
         let replayed = resp.headers().get("idempotent-replayed").cloned();

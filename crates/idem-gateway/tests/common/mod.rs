@@ -748,3 +748,22 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         .collect::<Vec<_>>()
         .join(": ")
 }
+
+/// An HTTP/2 (prior knowledge, h2c) client connection to `addr`: its
+/// request sender, the connection driven on a task.
+pub async fn h2_sender<B>(addr: SocketAddr) -> hyper::client::conn::http2::SendRequest<B>
+where
+    B: http_body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    send
+}
