@@ -16,7 +16,9 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use idem_http::{normalize_path, problem, BoxBody, BoxError, Disposition};
+use idem_http::{
+    normalize_path, problem, BoxBody, BoxError, Disposition, Fence, IDEMPOTENCY_FENCE,
+};
 use ipnet::IpNet;
 use std::borrow::Cow;
 use tower_http::timeout::{TimeoutBody, TimeoutError};
@@ -433,6 +435,12 @@ impl Proxy {
         }
         // `Expect: 100-continue` was answered by this hop's server already.
         headers.remove(header::EXPECT);
+        // The fence is the gateway's to send (a guarded request's lease),
+        // never the client's.
+        headers.remove(IDEMPOTENCY_FENCE);
+        if let Some(fence) = parts.extensions.get::<Fence>() {
+            headers.insert(IDEMPOTENCY_FENCE, fence.header_value());
+        }
         let trusted = self.upstream.trusts(self.peer.ip());
         set_forwarding(headers, self.peer.ip(), trusted, original_host.as_ref());
         headers.insert(header::HOST, self.upstream.host.clone());

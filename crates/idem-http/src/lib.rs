@@ -15,7 +15,8 @@
 //!    fingerprints method, path, query, `Content-Type` and body, with JSON
 //!    bodies canonicalised by RFC 8785 ([`fingerprint`]);
 //! 4. claims the key in the store through [`idem_core::Engine::execute`] and
-//!    either runs the inner service once, or answers with the stored
+//!    either runs the inner service once (with the lease's [`Fence`] in the
+//!    request's extensions), or answers with the stored
 //!    response (plus `Idempotent-Replayed: true`), a 409 with `Retry-After`
 //!    while the original is in flight, or a 422 when the key was used for a
 //!    different request;
@@ -124,6 +125,7 @@
 mod body;
 pub mod body_key;
 mod budget;
+mod fence;
 pub mod fingerprint;
 mod future;
 mod json_pointer;
@@ -145,6 +147,7 @@ use bytes::Bytes;
 pub use idem_core::{DynStore, Scope};
 
 pub use body::full;
+pub use fence::{Fence, IDEMPOTENCY_FENCE};
 pub use future::ResponseFuture;
 pub use key::{KeyHeaderError, IDEMPOTENCY_KEY, IDEMPOTENCY_STATUS, IDEMPOTENT_REPLAYED};
 pub use layer::{IdempotencyLayer, Reloaded};

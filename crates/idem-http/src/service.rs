@@ -513,12 +513,13 @@ impl Run {
         // The inner service and the request until the engine runs them:
         // still here once the engine returns means nothing was sent.
         let mut unsent = Some((inner, req));
-        let op = |_lease| {
+        let op = |lease: idem_core::Lease| {
             let sent = unsent.take();
             async move {
-                let Some((mut inner, req)) = sent else {
+                let Some((mut inner, mut req)) = sent else {
                     unreachable!("the engine runs its operation at most once")
                 };
+                req.extensions_mut().insert(crate::Fence(lease.fence));
                 match inner.call(req).await {
                     Err(e) => (Err(e), Action::Release),
                     Ok(resp) => {
