@@ -714,7 +714,9 @@ impl Store for MemoryStore {
                 if let Some(slot) = s.table.find(hash, |sl| sl.key() == k) {
                     let same = slot.fingerprint() == req.fingerprint;
                     match slot {
-                        Slot::Flight(f) if f.lease_until > now => {
+                        // An ended claim is taken over only by the same
+                        // request; for another it answers as a live one.
+                        Slot::Flight(f) if f.lease_until > now || !same => {
                             return Ok(if same {
                                 Begin::InFlight {
                                     retry_after: now.until(f.lease_until),

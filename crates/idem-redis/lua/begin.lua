@@ -32,6 +32,10 @@ if t == 'hash' then
       end
       return {'mismatch'}
     end
+    -- An ended claim is taken over only by the same request.
+    if rfp ~= fp then
+      return {'mismatch'}
+    end
     took_over = 1
   elseif state == 'completed' then
     local ex = tonumber(r[4])

@@ -204,8 +204,27 @@ impl RawRecord {
         self.deadline > now
     }
 
+    /// Whether the record answers `req` instead of being claimed: it is
+    /// live, or it is an ended claim (in progress past its lease) of another
+    /// request (another fingerprint: 422). An ended claim is taken over only
+    /// by the same request, so a different body reusing the key while the
+    /// first one's outcome is unknown is refused, as while it is live.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Corrupt`] when the stored fingerprint is malformed.
+    pub(crate) fn decides(
+        &self,
+        req: &BeginRequest,
+        now: i64,
+        phase: Phase,
+    ) -> Result<bool, StoreError> {
+        Ok(self.is_live(now)
+            || (self.state == IN_PROGRESS && self.fingerprint(phase)? != req.fingerprint))
+    }
+
     /// The answer to `begin` from a live record (the caller checked
-    /// [`Self::is_live`]). `retry_after` is at least 1 ms and at most the
+    /// [`Self::decides`]). `retry_after` is at least 1 ms and at most the
     /// lease asked for: `now` is the database's statement time, and on
     /// MySQL/MariaDB `NOW()` is when the statement *started* — a begin
     /// that started before the winner's and waited on its row lock would

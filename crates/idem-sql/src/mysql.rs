@@ -231,9 +231,14 @@ impl Statements {
     fn new(records: &str, fence: &str) -> Self {
         let cols = "fingerprint, state, fence, deadline, response";
         // The takeover condition: the record's deadline (lease end or
-        // expiry) has passed. Read from the *old* row in every assignment
-        // below, because `deadline` is assigned last.
-        let expired = format!("deadline <= {NOW_MS}");
+        // expiry) has passed, and it is a result or a claim of this same
+        // request (`?` = the fingerprint; an ended claim of another request
+        // answers 422). MySQL evaluates the assignments below in order, each
+        // seeing the ones before it: `deadline` is assigned last, so every
+        // IF reads the old deadline; `fingerprint` is assigned first, and
+        // once it is (only when the condition held) it equals `?`, so the
+        // condition reads the same in every IF.
+        let expired = format!("(deadline <= {NOW_MS} AND (state <> 0 OR fingerprint = ?))");
         Self {
             // ? scope, ? key.
             read: format!(
@@ -533,7 +538,7 @@ impl MySqlStore {
         if let Some(row) = row {
             let raw = raw_record(&row, P).map_err(fail)?;
             let now = now_of(&row, P).map_err(fail)?;
-            if raw.is_live(now) {
+            if raw.decides(req, now, P).map_err(fail)? {
                 return raw.answer(req, now, P).map(Step::Done).map_err(fail);
             }
         }
@@ -548,8 +553,14 @@ impl MySqlStore {
                 .bind(fp)
                 .bind(placeholder)
                 .bind(lease)
+                // Each IF's takeover condition binds the fingerprint.
+                .bind(fp)
+                .bind(fp)
+                .bind(fp)
+                .bind(fp)
                 .bind(fp)
                 .bind(placeholder)
+                .bind(fp)
                 .bind(lease)
                 .execute(&mut *tx)
                 .await?

@@ -277,6 +277,9 @@ impl Statements {
             //   is live (deadline in the future) the statement inserts nothing
             //   (`lk` yields no row), takes no lock, draws no fence and writes
             //   no WAL: replays and in-flight answers are pure reads.
+            // * An ended claim (in progress past its lease) of another
+            //   fingerprint answers like a live one (422): only the same
+            //   request takes an ended claim over.
             // * Otherwise `claim` tries to insert, or to take over a record
             //   whose deadline has passed. ON CONFLICT locks the conflicting
             //   row and evaluates the DO UPDATE's WHERE against its *latest*
@@ -319,7 +322,8 @@ impl Statements {
                    SELECT {NOW_MS} AS now_ms \
                  ), lk AS ( \
                    SELECT pg_advisory_xact_lock($5, $6) \
-                   WHERE NOT EXISTS (SELECT 1 FROM cur, clk WHERE cur.deadline > clk.now_ms) \
+                   WHERE NOT EXISTS (SELECT 1 FROM cur, clk WHERE cur.deadline > clk.now_ms \
+                                     OR (cur.state = 0 AND cur.fingerprint <> $3)) \
                  ), claim AS ( \
                    INSERT INTO {records} AS r (scope, key, fingerprint, state, fence, deadline, response) \
                    SELECT $1, $2, $3, 0, nextval('{fence_seq}'), {NOW_MS} + $4, NULL FROM lk \
@@ -327,6 +331,7 @@ impl Statements {
                      SET fingerprint = EXCLUDED.fingerprint, state = 0, fence = EXCLUDED.fence, \
                          deadline = {NOW_MS} + $4, response = NULL \
                      WHERE r.deadline <= {NOW_MS} \
+                       AND (r.state <> 0 OR r.fingerprint = EXCLUDED.fingerprint) \
                    RETURNING r.fingerprint, r.state, r.fence, r.deadline, \
                              (r.xmax <> 0) AS replaced \
                  ) \
@@ -705,7 +710,7 @@ impl Store for PostgresStore {
                 current = Some((raw, now_of(row, P)?));
             }
             match current {
-                Some((raw, now)) if raw.is_live(now) => return raw.answer(req, now, P),
+                Some((raw, now)) if raw.decides(req, now, P)? => return raw.answer(req, now, P),
                 // Absent or expired in our snapshot, yet not ours: another
                 // caller changed the record meanwhile. Look again.
                 _ => {

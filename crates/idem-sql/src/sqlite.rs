@@ -331,11 +331,11 @@ impl SqliteStore {
         // Read the time once the lock is held, so waiting for it does not
         // shorten the new lease.
         let now = self.now();
-        // An ended claim (in progress past its lease) is taken over; an
-        // ended result is simply replaced.
+        // An ended claim (in progress past its lease) of this same request
+        // is taken over; an ended result is simply replaced.
         let mut took_over = false;
         if let Some(row) = read_record(&mut tx, &req.scope, &req.key, P).await? {
-            if row.is_live(now) {
+            if row.decides(req, now, P)? {
                 let answer = row.answer(req, now, P);
                 tx.rollback().await.map_err(unavailable(P))?;
                 return answer;
@@ -386,7 +386,7 @@ impl Store for SqliteStore {
         // 1. One read, no write lock: a live record answers from it.
         if let Some(row) = self.read_pooled(&req.scope, &req.key, P).await? {
             let now = self.now();
-            if row.is_live(now) {
+            if row.decides(req, now, P)? {
                 return row.answer(req, now, P);
             }
         }

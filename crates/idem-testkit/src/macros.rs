@@ -39,6 +39,7 @@ macro_rules! conformance_tests {
                 release_then_reclaim,
                 lease_expiry_takeover_by_one,
                 took_over_only_after_an_ended_claim,
+                ended_claim_refuses_another_request,
                 sub_second_lease,
                 stale_fence_rejected,
                 late_complete_without_takeover_is_kept,

@@ -195,10 +195,46 @@ pub async fn lease_expiry_takeover_by_one<H: Harness>(h: &H) {
         first.fence
     );
     expect_in_progress(&store, &scope, &key, fp("a"), winner.fence).await;
-    // A different request may not take over a live claim, but may take over an expired one.
+    // A different request may take over neither a live claim nor an ended
+    // one (the first's outcome is unknown): 422 both times; the same
+    // request takes the ended claim over.
+    let other = req(&scope, &key, fp("b"), 2 * SEC);
+    expect_mismatch(&store, &other).await;
     h.advance(ms(2100)).await;
-    let third = acquire(&store, &req(&scope, &key, fp("b"), 2 * SEC)).await;
+    expect_mismatch(&store, &other).await;
+    let third = acquire(&store, &r).await;
     assert!(third.fence > winner.fence);
+    assert!(third.took_over, "{third:?}");
+}
+
+/// An ended claim (in progress past its lease: the holder crashed or its
+/// outcome is unknown) is taken over only by the same request: another
+/// fingerprint gets `Mismatch` (422) at any time after the lease, until
+/// the record is gone (released, deleted, purged); a result past its TTL is
+/// replaced by any request.
+pub async fn ended_claim_refuses_another_request<H: Harness>(h: &H) {
+    let store = h.store();
+    let (scope, key, r) = fresh_req("ended-other", SEC);
+    let first = acquire(&store, &r).await;
+    h.advance(ms(1200)).await;
+    let other = req(&scope, &key, fp("b"), SEC);
+    expect_mismatch(&store, &other).await;
+    h.advance(ms(500)).await;
+    expect_mismatch(&store, &other).await;
+    // The record still names the first request; the same request takes over.
+    let taken = acquire(&store, &r).await;
+    assert!(taken.fence > first.fence && taken.took_over, "{taken:?}");
+    // Released: the key is free for any request.
+    store.release(&taken).await.expect("release");
+    let b = acquire(&store, &other).await;
+    // A result past its TTL is replaced by another request.
+    store
+        .complete(&b, &response("b"), SEC)
+        .await
+        .expect("complete");
+    h.advance(ms(1200)).await;
+    let c = acquire(&store, &req(&scope, &key, fp("c"), SEC)).await;
+    assert!(!c.took_over && c.fence > b.fence, "{c:?}");
 }
 
 /// [`Lease::took_over`] is `true` only for a claim that took the key over
