@@ -139,7 +139,7 @@
 //!   `--max-connections` until it closes, has no idle timeout, and is closed
 //!   at the shutdown deadline.
 //! - `X-Forwarded-For` gets the client's IP appended ([`append_forwarded_for`]);
-//!   `X-Forwarded-Proto: http` is added when absent.
+//!   `X-Forwarded-Proto: http` (`https` on the TLS listener) is added when absent.
 //! - **`Host` is rewritten to the upstream's authority** (as nginx's
 //!   `proxy_pass` does by default) and the client's original `Host` is
 //!   passed as `X-Forwarded-Host` (unless an earlier proxy set one). The

@@ -36,10 +36,11 @@ static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host"
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// Sets the forwarding fields of a request from `peer`, whose `Host` (or
-/// target authority) was `host`, over this plain-http hop:
-/// `X-Forwarded-For` (the peer appended), `X-Forwarded-Host` (the original
-/// host), `X-Forwarded-Proto: http`, and `Forwarded` (RFC 7239, an element
-/// `for=…;host="…";proto=http` appended).
+/// target authority) was `host`, over this hop (`https` when the client's
+/// connection is TLS, else `http`): `X-Forwarded-For` (the peer appended),
+/// `X-Forwarded-Host` (the original host), `X-Forwarded-Proto: <proto>`,
+/// and `Forwarded` (RFC 7239, an element `for=…;host="…";proto=<proto>`
+/// appended).
 ///
 /// From a `trusted` peer (a proxy of the operator's, `--trusted-proxy`)
 /// the fields it sent are kept: its `X-Forwarded-Host`/`-Proto` describe
@@ -51,7 +52,9 @@ pub(crate) fn set_forwarding(
     peer: IpAddr,
     trusted: bool,
     host: Option<&HeaderValue>,
+    tls: bool,
 ) {
+    let proto = if tls { "https" } else { "http" };
     if !trusted {
         for name in [
             &X_FORWARDED_FOR,
@@ -70,16 +73,21 @@ pub(crate) fn set_forwarding(
         }
     }
     if !headers.contains_key(&X_FORWARDED_PROTO) {
-        headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+        headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(proto));
     }
-    append_forwarded(headers, peer, host);
+    append_forwarded(headers, peer, host, proto);
 }
 
 /// Appends this hop's RFC 7239 element to `Forwarded`, joining earlier
 /// fields into one comma-separated list. The `for` node is an IPv4 address
 /// or a quoted bracketed IPv6 address (`for="[2001:db8::1]"`, §6); `host` is
 /// a quoted-string (a host with a port is not a token).
-fn append_forwarded(headers: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
+fn append_forwarded(
+    headers: &mut HeaderMap,
+    peer: IpAddr,
+    host: Option<&HeaderValue>,
+    proto: &str,
+) {
     let mut element = match peer {
         IpAddr::V4(v4) => format!("for={v4}"),
         IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
@@ -89,7 +97,8 @@ fn append_forwarded(headers: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderV
             element.push_str(&format!(";host=\"{h}\""));
         }
     }
-    element.push_str(";proto=http");
+    element.push_str(";proto=");
+    element.push_str(proto);
     let mut value: Vec<u8> = Vec::new();
     for v in headers.get_all(header::FORWARDED) {
         value.extend_from_slice(v.as_bytes());
@@ -320,6 +329,8 @@ pub(crate) struct Proxy {
     pub(crate) upstream: Arc<Upstream>,
     pub(crate) timeout: Duration,
     pub(crate) peer: SocketAddr,
+    /// Whether the client's connection is TLS (`X-Forwarded-Proto: https`).
+    pub(crate) tls: bool,
     /// `idem_upstream_duration_seconds`: request sent to response head.
     pub(crate) duration: metrics::Histogram,
 }
@@ -442,7 +453,13 @@ impl Proxy {
             headers.insert(IDEMPOTENCY_FENCE, fence.header_value());
         }
         let trusted = self.upstream.trusts(self.peer.ip());
-        set_forwarding(headers, self.peer.ip(), trusted, original_host.as_ref());
+        set_forwarding(
+            headers,
+            self.peer.ip(),
+            trusted,
+            original_host.as_ref(),
+            self.tls,
+        );
         headers.insert(header::HOST, self.upstream.host.clone());
         parts.uri = uri;
         parts.version = Version::HTTP_11;
@@ -713,6 +730,7 @@ mod tests {
             "10.0.0.2".parse().unwrap(),
             false,
             Some(&host),
+            false,
         );
         assert_eq!(untrusted["x-forwarded-for"], "10.0.0.2");
         assert_eq!(untrusted["x-forwarded-host"], "shop.test:8000");
@@ -727,6 +745,7 @@ mod tests {
             "::ffff:10.0.0.2".parse().unwrap(),
             true,
             Some(&host),
+            false,
         );
         assert_eq!(trusted["x-forwarded-for"], "203.0.113.7, 10.0.0.2");
         assert_eq!(trusted["x-forwarded-host"], "evil.test");
@@ -736,8 +755,13 @@ mod tests {
             "for=203.0.113.7;proto=https, for=10.0.0.2;host=\"shop.test:8000\";proto=http"
         );
         let mut v6 = HeaderMap::new();
-        set_forwarding(&mut v6, "2001:db8::1".parse().unwrap(), false, None);
+        set_forwarding(&mut v6, "2001:db8::1".parse().unwrap(), false, None, false);
         assert_eq!(v6["forwarded"], "for=\"[2001:db8::1]\";proto=http");
+        // Over the TLS listener the scheme is https.
+        let mut tls = HeaderMap::new();
+        set_forwarding(&mut tls, "10.0.0.2".parse().unwrap(), false, None, true);
+        assert_eq!(tls["x-forwarded-proto"], "https");
+        assert_eq!(tls["forwarded"], "for=10.0.0.2;proto=https");
     }
 
     #[test]

@@ -493,13 +493,14 @@ impl Routes {
         })
     }
 
-    /// The service for one connection from `peer`.
-    fn root(&self, peer: SocketAddr) -> Root {
+    /// The service for one connection from `peer`, over TLS or not.
+    fn root(&self, peer: SocketAddr, tls: bool) -> Root {
         let proxy = Proxy {
             client: self.client.clone(),
             upstream: self.upstream.clone(),
             timeout: self.upstream_timeout,
             peer,
+            tls,
             duration: self.upstream_duration.clone(),
         };
         Root {
@@ -547,7 +548,7 @@ async fn accept_until(
         match accepted {
             Ok((stream, peer)) => {
                 let root = Tracked {
-                    inner: routes.root(peer),
+                    inner: routes.root(peer, tls.is_some()),
                     activity: Arc::new(tokio::sync::watch::Sender::new(0)),
                     requests: door.requests.clone(),
                 };
@@ -619,6 +620,7 @@ impl Conn {
     /// request's extensions ([`ClientCertificate`]).
     async fn serve_tls(self, acceptor: TlsAcceptor, stream: TcpStream, mut root: Tracked) {
         let peer = self.peer;
+        let accepted = tokio::time::Instant::now();
         let tls = match tokio::time::timeout(self.header_timeout, acceptor.accept(stream)).await {
             Ok(Ok(tls)) => tls,
             Ok(Err(e)) => {
@@ -636,14 +638,17 @@ impl Conn {
             .peer_certificates()
             .and_then(|chain| chain.first())
             .map(|leaf| ClientCertificate(bytes::Bytes::copy_from_slice(leaf)));
-        self.serve(tls, root).await;
+        // The first request head is due `header_timeout` after accept, the
+        // handshake included.
+        let first_head_by = accepted + self.header_timeout;
+        self.serve_until(tls, root, first_head_by).await;
     }
 
     /// Serves the connection, watched by the graceful shutdown, until it
     /// closes.
     ///
     /// The connection is closed once it has had no request in flight for
-    /// `header_timeout`: from accept (or the end of the TLS handshake;
+    /// `header_timeout`: from accept (a TLS handshake included;
     /// hyper's own header read timeout only starts once the first byte is
     /// in, and hyper-util's HTTP/1-or-2 sniffing waits for bytes without
     /// any deadline), and from the end of each response (the keep-alive
@@ -653,6 +658,15 @@ impl Conn {
     /// `--upstream-timeout`). For HTTP/2 this closes a connection with no
     /// open stream, whatever pings or settings it sends.
     async fn serve<I>(self, io: I, root: Tracked)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let first_head_by = tokio::time::Instant::now() + self.header_timeout;
+        self.serve_until(io, root, first_head_by).await;
+    }
+
+    /// [`Conn::serve`], the first request head due by `first_head_by`.
+    async fn serve_until<I>(self, io: I, root: Tracked, first_head_by: tokio::time::Instant)
     where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
@@ -675,18 +689,25 @@ impl Conn {
             .serve_connection_with_upgrades(TokioIo::new(io), TowerToHyperService::new(service));
         let conn = watcher.watch(conn);
         tokio::pin!(conn);
+        // When the connection closes if no request comes: the first head's
+        // deadline, then `header_timeout` after each response ends.
+        let mut idle_until = first_head_by;
         let result = loop {
             let busy = *activity.borrow_and_update();
             let idle = async {
                 if busy == 0 {
-                    tokio::time::sleep(header_timeout).await;
+                    tokio::time::sleep_until(idle_until).await;
                 } else {
                     std::future::pending::<()>().await;
                 }
             };
             tokio::select! {
                 r = &mut conn => break r,
-                _ = activity.changed() => {}
+                _ = activity.changed() => {
+                    if *activity.borrow() == 0 {
+                        idle_until = tokio::time::Instant::now() + header_timeout;
+                    }
+                }
                 () = idle => {
                     tracing::debug!(%peer, "closing a connection without a request for --header-timeout");
                     return;

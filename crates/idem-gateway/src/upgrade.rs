@@ -28,7 +28,7 @@
 //!   traffic stays open (WebSocket pings keep their own time).
 //! - **Shutdown.** [`Tunnels::close_by`]: the gateway's drain waits for
 //!   tunnels like for requests in flight, and closes those still open at
-//!   the `--shutdown-grace` deadline.
+//!   the shutdown deadline ([`crate::GatewayConfig::shutdown_grace`], 30 s).
 //! - **Logs.** One DEBUG line (target `idem`, message `upgraded connection
 //!   closed`) per tunnel: method, path, protocol, bytes each way, duration,
 //!   and why it ended.

@@ -46,6 +46,17 @@ async fn http1_and_h2_over_tls_run_once_and_replay() {
     assert!(again.replayed(), "{:?}", again.headers);
     assert_eq!(again.body, first.body);
     assert_eq!(rig.up.hits(), 1, "executed once over TLS");
+    // The upstream is told the client's scheme.
+    let seen = rig.up.last_seen();
+    assert_eq!(seen.headers["x-forwarded-proto"], "https");
+    assert!(
+        seen.headers["forwarded"]
+            .to_str()
+            .unwrap()
+            .ends_with(";proto=https"),
+        "{:?}",
+        seen.headers["forwarded"]
+    );
 
     // Both offered: the server prefers h2.
     let tls = connect(rig.addr(), rig.client(BOTH, None)).await.unwrap();
@@ -408,4 +419,56 @@ async fn a_broken_replacement_keeps_the_old_certificate_and_a_later_good_one_is_
     // A good pair is picked up.
     replace_pair(&rig.cert, &rig.key, &a.cert_pem, &a.key_pem);
     until_served_with(&rig, &a.cert_der).await;
+}
+
+/// What a reload refuses beyond a bad pair: a chain with a certificate that
+/// is not X.509, an expired leaf, and a FIFO put at the certificate's path
+/// (never opened for reading and waited on: the watch goes on and a later
+/// good pair is used).
+#[tokio::test]
+async fn a_bad_chain_an_expired_leaf_and_a_fifo_are_not_loaded() {
+    let rig = tls_gateway(false, |_| {}).await;
+    let first = server_leaf(&connect(rig.addr(), rig.client(H1, None)).await.unwrap());
+    let stays = |what: &'static str| {
+        let rig = &rig;
+        let first = &first;
+        async move {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            let tls = connect(rig.addr(), rig.client(H1, None))
+                .await
+                .unwrap_or_else(|e| panic!("{what}: the handshake failed: {e}"));
+            assert_eq!(
+                &server_leaf(&tls),
+                first,
+                "{what}: the old certificate stays"
+            );
+        }
+    };
+    let good = rig.ca.issue(&["localhost"], Usage::Server);
+    // The leaf, then a CERTIFICATE block that is not a certificate.
+    let junk = "-----BEGIN CERTIFICATE-----\nAAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=\n-----END CERTIFICATE-----\n";
+    replace_pair(
+        &rig.cert,
+        &rig.key,
+        &format!("{}{junk}", good.cert_pem),
+        &good.key_pem,
+    );
+    stays("a chain with a block that is not X.509").await;
+    let day = Duration::from_secs(86_400);
+    let now = std::time::SystemTime::now();
+    let expired = rig
+        .ca
+        .issue_valid(&["localhost"], Usage::Server, now - 3 * day, now - day);
+    replace_pair(&rig.cert, &rig.key, &expired.cert_pem, &expired.key_pem);
+    stays("an expired leaf").await;
+    std::fs::remove_file(&rig.cert).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&rig.cert)
+        .status()
+        .expect("mkfifo (coreutils)");
+    assert!(made.success());
+    stays("a FIFO at the certificate's path").await;
+    std::fs::remove_file(&rig.cert).unwrap();
+    replace_pair(&rig.cert, &rig.key, &good.cert_pem, &good.key_pem);
+    until_served_with(&rig, &good.cert_der).await;
 }

@@ -552,7 +552,11 @@ pub fn load_str(matches: &ArgMatches, path: &Path, text: &str) -> Result<Loaded,
                 .expect("the key was read from this command")
                 .clone()
                 .env(clap::builder::Resettable::Reset)
-                .required(false);
+                .required(false)
+                // Relations name other flags, absent from the probe (they
+                // are checked on the whole command once layered).
+                .requires(clap::builder::Resettable::Reset)
+                .conflicts_with(clap::builder::Resettable::Reset);
             let mut probe = vec![OsString::from("probe")];
             probe.extend(
                 values
@@ -767,12 +771,20 @@ fn push_raw(argv: &mut Vec<OsString>, fk: &FileKey, matches: &ArgMatches) {
 /// clap's message without its `error: ` prefix and usage lines.
 fn clap_message(e: &clap::Error) -> String {
     let text = e.render().to_string();
-    let first = text
-        .lines()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("")
-        .trim();
-    first.strip_prefix("error: ").unwrap_or(first).to_owned()
+    let mut lines = text.lines().skip_while(|l| l.trim().is_empty());
+    let first = lines.next().unwrap_or("").trim();
+    let mut message = first.strip_prefix("error: ").unwrap_or(first).to_owned();
+    // "the following required arguments were not provided:" lists them on
+    // the indented lines after it.
+    if message.ends_with(':') {
+        let listed: Vec<&str> = lines
+            .take_while(|l| l.starts_with(' '))
+            .map(str::trim)
+            .collect();
+        message.push(' ');
+        message.push_str(&listed.join(", "));
+    }
+    message
 }
 
 /// The strings a top-level value stands for.
@@ -1474,6 +1486,53 @@ mod tests {
         assert_eq!(src("scope_header"), Source::File(5));
         assert_eq!(src("lease"), Source::Default);
         assert_eq!(l.report.value("scope_header"), Some("x-api-key,X-Tenant"));
+    }
+
+    #[test]
+    fn flags_that_require_each_other_work_from_the_file() {
+        use idem_testkit::pki::{TestCa, Usage};
+        let dir = tempfile::tempdir().unwrap();
+        let ca = TestCa::new("file CA");
+        let ca_path = ca.write(dir.path(), "ca.crt");
+        let (s_crt, s_key) = ca
+            .issue(&["localhost"], Usage::Server)
+            .write(dir.path(), "s");
+        let (c_crt, c_key) = ca.issue(&["client"], Usage::Client).write(dir.path(), "c");
+        let text = format!(
+            "upstream = \"https://127.0.0.1:3443\"\ntls_cert = {s_crt:?}\ntls_key = {s_key:?}\n\
+             tls_client_ca = {ca_path:?}\nscope_from = \"client-cert\"\n\
+             upstream_client_cert = {c_crt:?}\nupstream_client_key = {c_key:?}\n"
+        );
+        let text = text.as_str();
+        let l = load_text(&[], text).unwrap();
+        let tls = l
+            .config
+            .tls
+            .as_ref()
+            .expect("the listener's TLS from the file");
+        assert_eq!(tls.cert, s_crt);
+        assert_eq!(tls.client_ca.as_deref(), Some(ca_path.as_path()));
+        assert_eq!(
+            l.config.upstream_tls.client_key.as_deref(),
+            Some(c_key.as_path())
+        );
+        // One of a pair alone is refused, naming the other.
+        for (text, other) in [
+            (
+                "upstream = \"http://x:1\"\ntls_cert = \"s.crt\"\n",
+                "tls-key",
+            ),
+            (
+                "upstream = \"https://x:1\"\nupstream_client_key = \"c.key\"\n",
+                "upstream-client-cert",
+            ),
+        ] {
+            let Err(e) = load_text(&[], text) else {
+                panic!("{text}: accepted");
+            };
+            let e = e.to_string();
+            assert!(e.contains(other), "{text}: {e}");
+        }
     }
 
     #[test]

@@ -17,8 +17,11 @@
 //! poll. SIGHUP reloads at once. A reload that fails (a missing or
 //! unreadable file, bad PEM, a key that does not match the certificate)
 //! keeps the certificate in force and logs WARN with the reason, once per
-//! change; a good one logs INFO. Metric:
-//! [`CERT_RELOADS`] `idem_tls_cert_reloads_total{result="ok"|"error"}`.
+//! change; a good one logs INFO. A pair is good when every certificate of
+//! the chain parses as X.509, the leaf is within its validity period and the
+//! key belongs to it. Metrics: [`CERT_RELOADS`]
+//! `idem_tls_cert_reloads_total{result="ok"|"error"}`, [`CERT_NOT_AFTER`]
+//! `idem_tls_cert_not_after_seconds`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -36,6 +39,9 @@ use super::{load_certs, load_key, ListenerTls, TlsError};
 
 /// Counter of certificate reloads by result, label `result` = `ok` | `error`.
 pub(crate) const CERT_RELOADS: &str = "idem_tls_cert_reloads_total";
+/// Gauge: when the listener's certificate in force expires (its `notAfter`,
+/// Unix seconds), for an alert well before it does.
+pub(crate) const CERT_NOT_AFTER: &str = "idem_tls_cert_not_after_seconds";
 /// How often the certificate and key files are looked at: every 1 s.
 pub(crate) const POLL_INTERVAL: Duration = Duration::from_secs(1);
 /// How long both files must stay the same before a change is loaded.
@@ -58,11 +64,56 @@ fn provider() -> Arc<CryptoProvider> {
 /// the certificate's.
 pub(crate) fn load_pair(tls: &ListenerTls) -> Result<CertifiedKey, TlsError> {
     let certs = load_certs("--tls-cert", &tls.cert)?;
+    let not_after = check_chain(&tls.cert, &certs)?;
     let key = load_key("--tls-key", &tls.key)?;
-    CertifiedKey::from_der(certs, key, &provider()).map_err(|source| TlsError::Rustls {
-        flag: "--tls-key (does it belong to --tls-cert?)",
-        source,
-    })
+    let pair =
+        CertifiedKey::from_der(certs, key, &provider()).map_err(|source| TlsError::Rustls {
+            flag: "--tls-key (does it belong to --tls-cert?)",
+            source,
+        })?;
+    metrics::gauge!(CERT_NOT_AFTER).set(not_after as f64);
+    Ok(pair)
+}
+
+/// Every certificate of the chain is X.509 (RFC 5280) that parses, and the
+/// leaf is within its validity period now: a chain clients would refuse is
+/// never put in force. Returns the leaf's `notAfter` (Unix seconds).
+fn check_chain(
+    path: &Path,
+    certs: &[rustls::pki_types::CertificateDer<'_>],
+) -> Result<i64, TlsError> {
+    let bad = |what: String| TlsError::Pem {
+        flag: "--tls-cert",
+        path: path.to_owned(),
+        what,
+    };
+    let mut not_after = 0;
+    for (i, der) in certs.iter().enumerate() {
+        let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| {
+            bad(format!(
+                "certificate {} of the chain is not X.509: {e}",
+                i + 1
+            ))
+        })?;
+        if i == 0 {
+            let validity = cert.validity();
+            let now = x509_parser::time::ASN1Time::now();
+            if now < validity.not_before {
+                return Err(bad(format!(
+                    "the certificate is not valid before {}",
+                    validity.not_before
+                )));
+            }
+            if now > validity.not_after {
+                return Err(bad(format!(
+                    "the certificate expired at {}",
+                    validity.not_after
+                )));
+            }
+            not_after = validity.not_after.timestamp();
+        }
+    }
+    Ok(not_after)
 }
 
 /// The certificate in force, swapped by a reload.
@@ -217,6 +268,11 @@ pub(crate) fn register_metrics() {
     for result in ["ok", "error"] {
         metrics::counter!(CERT_RELOADS, "result" => result).increment(0);
     }
+    metrics::describe_gauge!(
+        CERT_NOT_AFTER,
+        metrics::Unit::Seconds,
+        "When the TLS listener's certificate in force expires (its notAfter, Unix seconds)."
+    );
 }
 
 /// A SIGHUP stream (Unix), registered when made.
@@ -279,7 +335,7 @@ fn client_verifier(
 }
 
 /// What a file looked like: its metadata and content (certificate files
-/// are small; at most [`MAX_PEM`] bytes are read), or why it cannot be read.
+/// are small; at most [`super::MAX_PEM`] bytes are read), or why it cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Stamp {
     len: u64,
@@ -289,19 +345,10 @@ struct Stamp {
     content: Vec<u8>,
 }
 
-/// The most of a certificate or key file the watch reads: 1 MiB.
-const MAX_PEM: u64 = 1 << 20;
-
 fn stamp(path: &Path) -> Result<Stamp, String> {
-    use std::io::Read as _;
     #[cfg(unix)]
     use std::os::unix::fs::MetadataExt as _;
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let m = file.metadata().map_err(|e| e.to_string())?;
-    let mut content = Vec::new();
-    file.take(MAX_PEM)
-        .read_to_end(&mut content)
-        .map_err(|e| e.to_string())?;
+    let (m, content) = super::read_pem_file(path).map_err(|e| e.to_string())?;
     Ok(Stamp {
         len: m.len(),
         modified: m.modified().ok(),

@@ -83,11 +83,50 @@ pub enum TlsError {
 }
 
 fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read {
-        flag,
-        path: path.to_owned(),
-        source,
-    })
+    read_pem_file(path)
+        .map(|(_, content)| content)
+        .map_err(|source| TlsError::Read {
+            flag,
+            path: path.to_owned(),
+            source,
+        })
+}
+
+/// The most of a certificate, key or CA file read: 1 MiB (a chain of a
+/// dozen certificates is a few tens of KiB).
+pub(crate) const MAX_PEM: u64 = 1 << 20;
+
+/// A certificate, key or CA file's metadata and content: a regular file (a
+/// symlink to one is followed) of at most [`MAX_PEM`] bytes. It is opened
+/// without blocking (`O_NONBLOCK`), so a FIFO or a device put at the path is
+/// refused, never waited on.
+///
+/// # Errors
+/// The open's or read's error; `InvalidInput` for something that is not a
+/// regular file or is larger than [`MAX_PEM`].
+pub(crate) fn read_pem_file(path: &Path) -> std::io::Result<(std::fs::Metadata, Vec<u8>)> {
+    use std::io::{Error, ErrorKind, Read as _};
+    let mut open = std::fs::OpenOptions::new();
+    open.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        open.custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32);
+    }
+    let file = open.open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
+    }
+    let mut content = Vec::new();
+    file.take(MAX_PEM + 1).read_to_end(&mut content)?;
+    if content.len() as u64 > MAX_PEM {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!("larger than {MAX_PEM} bytes: not a PEM certificate or key file"),
+        ));
+    }
+    Ok((meta, content))
 }
 
 /// Every `CERTIFICATE` block of a PEM file, in order.
