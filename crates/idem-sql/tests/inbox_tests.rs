@@ -542,9 +542,11 @@ mod mysql {
         .execute(&pool)
         .await
         .unwrap();
-        let inbox =
-            Inbox::with_options(pool.clone(), InboxOptions::default().with_table(table.clone()))
-                .unwrap();
+        let inbox = Inbox::with_options(
+            pool.clone(),
+            InboxOptions::default().with_table(table.clone()),
+        )
+        .unwrap();
         inbox.migrate().await.unwrap();
         inbox.migrate().await.unwrap(); // idempotent
         let types: Vec<String> = sqlx::query_scalar(
