@@ -269,6 +269,43 @@ mod extremes {
         ]
     }
 
+    /// Any duration: the extremes above, or any seconds and nanoseconds.
+    fn any_duration() -> impl Strategy<Value = Duration> {
+        prop_oneof![
+            extreme(),
+            (any::<u64>(), 0..1_000_000_000u32).prop_map(|(s, n)| Duration::new(s, n)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Issue 16 item 7: the inbox (SQLite) at any purge age and retry
+        /// count: no panic, no error; an age of an hour or more (up to
+        /// `Duration::MAX`) keeps the row committed just now.
+        #[test]
+        fn inbox_purge_ages_and_retries_never_panic(age in any_duration(), retries in any::<u32>()) {
+            use idem_mq::inbox::{Claim, Inbox, InboxOptions};
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+                let inbox = Inbox::with_options(pool, InboxOptions::default().with_retries(retries)).unwrap();
+                inbox.migrate().await.unwrap();
+                match inbox.claim("c", "m").await.unwrap() {
+                    Claim::New(tx) => tx.commit().await.unwrap(),
+                    Claim::Duplicate => prop_assert!(false, "fresh inbox"),
+                }
+                let purged = inbox.purge_older_than(age).await;
+                prop_assert!(purged.is_ok(), "{:?}: {:?}", age, purged);
+                if age >= Duration::from_secs(3600) {
+                    prop_assert_eq!(purged.unwrap(), 0);
+                    prop_assert!(inbox.is_processed("c", "m").await.unwrap());
+                }
+                Ok(())
+            })?;
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(36))]
 
