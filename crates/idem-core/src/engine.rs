@@ -29,12 +29,21 @@ pub enum Action {
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// How long a claim holds before another caller may take it over
-    /// (default 30 s). Renewed by the watchdog while the operation runs.
+    /// (default 30 s, millisecond precision). Renewed by the watchdog while
+    /// the operation runs. At least [`MIN_LEASE`] (1 s):
+    /// [`Engine::try_with_config`] refuses a shorter one,
+    /// [`Engine::with_config`] raises it. Long leases saturate (up to
+    /// `Duration::MAX`: a claim that ends only when released).
     pub lease: Duration,
-    /// How long a completed result is replayed (default 24 h).
+    /// How long a completed result is replayed (default 24 h, millisecond
+    /// precision; saturates up to `Duration::MAX`, i.e. kept until
+    /// deleted). [`EngineConfig::validate`] wants it at least the lease.
     pub ttl: Duration,
     /// How long a duplicate waits for an in-flight original before it gets
-    /// [`Outcome::InFlight`] (default 0: answer at once).
+    /// [`Outcome::InFlight`] (default 0: answer at once). Any length up to
+    /// `Duration::MAX` is accepted; one too long to add to the current
+    /// instant waits without a deadline (for the original to finish or
+    /// its lease to end).
     pub wait: Duration,
     /// Renew the lease every `lease / 3` while the operation runs (default on).
     pub watchdog: bool,
@@ -46,14 +55,17 @@ pub struct EngineConfig {
     /// How long the caller waits for a result's save to succeed when the
     /// first `complete` fails (default 2 s). Until then the save is retried
     /// with backoff while the lease is renewed, so duplicates get `InFlight`,
-    /// never a second run.
+    /// never a second run. Any length up to `Duration::MAX` is accepted
+    /// (one too long to add to the current instant has no deadline).
     pub save_wait: Duration,
     /// How long a failed save keeps being retried in the background after
     /// `save_wait`, the lease renewed each time (default 10 min). When the
     /// store answers `extend` but keeps refusing `complete` (the response is
     /// too large for it, or a capped store is full), the result is saved
     /// without its body (`body_omitted`), so duplicates get a clear refusal
-    /// instead of a second run.
+    /// instead of a second run. 0 turns the background retry off; any
+    /// length up to `Duration::MAX` is accepted (no deadline when too long
+    /// to add to the current instant).
     pub save_retry: Duration,
 }
 
@@ -287,21 +299,44 @@ impl<S: Store + Clone> Engine<S> {
     /// Claims the key (waiting for an in-flight original up to
     /// [`EngineConfig::wait`]). Most callers want [`Engine::execute`].
     ///
+    /// A `req.lease` below [`MIN_LEASE`] (1 s; 0 included) is raised to it,
+    /// as [`Engine::with_config`] does, so no request can claim a key for
+    /// less than the floor.
+    ///
     /// # Errors
     /// The store's errors; the operation must not run.
     pub async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
-        let deadline = tokio::time::Instant::now() + self.config.wait;
+        // A lease below the floor would let duplicates run again (issue 16
+        // item 7: `BeginRequest::lease` of 0 bypassed `with_config`'s clamp).
+        let raised;
+        let req = if req.lease < MIN_LEASE {
+            raised = BeginRequest {
+                lease: MIN_LEASE,
+                ..req.clone()
+            };
+            &raised
+        } else {
+            req
+        };
+        // `None`: a wait too long to represent (`Duration::MAX`): no deadline.
+        let deadline = deadline_after(self.config.wait);
         loop {
             let b = self.store.begin(req).await?;
             let Begin::InFlight { retry_after } = b else {
                 return Ok(b);
             };
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let left = deadline.map_or(Duration::MAX, |d| {
+                d.saturating_duration_since(tokio::time::Instant::now())
+            });
             if left.is_zero() {
                 return Ok(Begin::InFlight { retry_after });
             }
-            // Wake no later than the lease end (to take over a crashed holder).
-            let max = left.min(retry_after.max(Duration::from_millis(1)));
+            // Wake no later than the lease end (to take over a crashed
+            // holder), and at least once a minute (a store's own deadline
+            // arithmetic never sees an extreme duration).
+            let max = left
+                .min(retry_after.max(Duration::from_millis(1)))
+                .min(MAX_WAIT_SLICE);
             self.store
                 .wait_for_change(&req.scope, &req.key, max)
                 .await?;
@@ -605,7 +640,7 @@ impl<S: Store> ResultSave<S> {
     /// background retry (see the type's doc). `key` names the run in logs.
     async fn save(mut self, key: &IdempotencyKey) -> Settled {
         let fence = self.lease.fence;
-        let wait = tokio::time::Instant::now() + self.wait;
+        let wait = deadline_after(self.wait);
         let e = match self.attempt_until(wait).await {
             Ok(saved) => return Settled::Key(saved),
             Err(e) => e,
@@ -621,7 +656,7 @@ impl<S: Store> ResultSave<S> {
 
     /// Spawns the attempts for up to [`Self::retry`] more; logs how they end.
     fn retry_in_background(mut self, key: IdempotencyKey, fence: u64) {
-        let until = tokio::time::Instant::now() + self.retry;
+        let until = deadline_after(self.retry);
         tokio::spawn(async move {
             match self.attempt_until(until).await {
                 Ok(Saved::Stored) => {
@@ -638,8 +673,12 @@ impl<S: Store> ResultSave<S> {
         });
     }
 
-    /// Tries until saved, the lease is lost, or `until` passes (then the last error).
-    async fn attempt_until(&mut self, until: tokio::time::Instant) -> Result<Saved, StoreError> {
+    /// Tries until saved, the lease is lost, or `until` passes (then the
+    /// last error); `None`: no deadline (a duration too long to represent).
+    async fn attempt_until(
+        &mut self,
+        until: Option<tokio::time::Instant>,
+    ) -> Result<Saved, StoreError> {
         loop {
             let err = match self
                 .store
@@ -669,15 +708,26 @@ impl<S: Store> ResultSave<S> {
                 Err(StoreError::LeaseLost { .. }) => return Ok(Saved::LeaseLost),
                 Err(_) => {}
             }
-            let now = tokio::time::Instant::now();
-            if now + self.delay > until {
-                return Err(err);
+            if let Some(until) = until {
+                if deadline_after(self.delay).is_none_or(|next| next > until) {
+                    return Err(err);
+                }
             }
             tokio::time::sleep(self.delay).await;
             self.delay = (self.delay * 2).min(SAVE_MAX_DELAY);
             metrics::counter!(SAVE_RETRIES).increment(1);
         }
     }
+}
+
+/// The longest single [`Store::wait_for_change`] of [`Engine::begin`]:
+/// 60 s. A longer [`EngineConfig::wait`] is waited in slices of it.
+const MAX_WAIT_SLICE: Duration = Duration::from_secs(60);
+
+/// Now plus `d`, or `None` when that is not representable (`Duration::MAX`,
+/// `u64::MAX` seconds): no deadline.
+fn deadline_after(d: Duration) -> Option<tokio::time::Instant> {
+    tokio::time::Instant::now().checked_add(d)
 }
 
 /// Renews the lease every third of its length; returns only once the lease
@@ -810,5 +860,258 @@ mod tests {
             t.await.unwrap();
         }
         assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    /// A store whose first `fail` `complete`s time out (then it works).
+    #[derive(Debug, Clone)]
+    struct FlakyComplete {
+        inner: MemoryStore,
+        fail: Arc<AtomicUsize>,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for FlakyComplete {
+        async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
+            self.inner.begin(req).await
+        }
+        async fn complete(
+            &self,
+            lease: &Lease,
+            response: &StoredResponse,
+            ttl: Duration,
+        ) -> Result<(), StoreError> {
+            let left = self.fail.load(Ordering::SeqCst);
+            if left > 0 {
+                self.fail.store(left - 1, Ordering::SeqCst);
+                return Err(StoreError::Timeout {
+                    phase: crate::Phase::Complete,
+                });
+            }
+            self.inner.complete(lease, response, ttl).await
+        }
+        async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+            self.inner.release(lease).await
+        }
+        async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+            self.inner.extend(lease, lease_for).await
+        }
+        async fn get(
+            &self,
+            scope: &Scope,
+            key: &IdempotencyKey,
+        ) -> Result<Option<crate::Record>, StoreError> {
+            self.inner.get(scope, key).await
+        }
+        async fn delete(&self, scope: &Scope, key: &IdempotencyKey) -> Result<bool, StoreError> {
+            self.inner.delete(scope, key).await
+        }
+        async fn purge_expired(&self) -> Result<u64, StoreError> {
+            self.inner.purge_expired().await
+        }
+        async fn wait_for_change(
+            &self,
+            scope: &Scope,
+            key: &IdempotencyKey,
+            max: Duration,
+        ) -> Result<(), StoreError> {
+            self.inner.wait_for_change(scope, key, max).await
+        }
+    }
+
+    fn stored(body: &'static str) -> ((), Action) {
+        ((), Action::Store(StoredResponse::new(200, body)))
+    }
+
+    /// Issue 16 item 7: `wait = Duration::MAX` panicked at `Instant + wait`
+    /// (every guarded request a 500). Now it waits without a deadline: the
+    /// duplicate gets the original's replay.
+    #[tokio::test]
+    async fn an_unbounded_wait_waits_for_the_original() {
+        for wait in [Duration::MAX, Duration::from_secs(u64::MAX)] {
+            let engine = Engine::with_config(
+                MemoryStore::new(),
+                EngineConfig {
+                    wait,
+                    ..EngineConfig::default()
+                },
+            );
+            let key = IdempotencyKey::new("wait-max").unwrap();
+            let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+            let first = {
+                let (engine, key) = (engine.clone(), key.clone());
+                tokio::spawn(async move {
+                    engine
+                        .execute(
+                            &Scope::anonymous(),
+                            &key,
+                            Fingerprint::of(b"x"),
+                            |_| async {
+                                let _ = started_tx.send(());
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                                stored("first")
+                            },
+                        )
+                        .await
+                        .unwrap()
+                })
+            };
+            started_rx.await.unwrap();
+            let dup = engine
+                .execute(
+                    &Scope::anonymous(),
+                    &key,
+                    Fingerprint::of(b"x"),
+                    |_| async { stored("second") },
+                )
+                .await
+                .unwrap();
+            assert!(
+                matches!(&dup, Outcome::Replayed(r) if r.body == "first"),
+                "{wait:?}: {dup:?}"
+            );
+            assert!(matches!(first.await.unwrap(), Outcome::Executed { .. }));
+        }
+    }
+
+    /// Issue 16 item 7: `save_wait` / `save_retry = Duration::MAX` panicked
+    /// after the operation ran (the result lost, the key in flight). Now a
+    /// save that fails twice is retried and stored.
+    #[tokio::test]
+    async fn unbounded_save_wait_and_retry_still_save() {
+        for (save_wait, save_retry) in [
+            (Duration::MAX, Duration::MAX),
+            (Duration::ZERO, Duration::MAX),
+            (Duration::from_secs(u64::MAX), Duration::ZERO),
+        ] {
+            let store = FlakyComplete {
+                inner: MemoryStore::new(),
+                fail: Arc::new(AtomicUsize::new(2)),
+            };
+            let engine = Engine::with_config(
+                store.clone(),
+                EngineConfig {
+                    save_wait,
+                    save_retry,
+                    ..EngineConfig::default()
+                },
+            );
+            let key = IdempotencyKey::new("save-max").unwrap();
+            let out = engine
+                .execute(
+                    &Scope::anonymous(),
+                    &key,
+                    Fingerprint::of(b"x"),
+                    |_| async { stored("ok") },
+                )
+                .await
+                .unwrap();
+            assert!(matches!(out, Outcome::Executed { .. }), "{out:?}");
+            // Saved while the caller waited, or by the background retry.
+            let mut replayed = false;
+            for _ in 0..100 {
+                let again = engine
+                    .execute(
+                        &Scope::anonymous(),
+                        &key,
+                        Fingerprint::of(b"x"),
+                        |_| async { stored("again") },
+                    )
+                    .await
+                    .unwrap();
+                if let Outcome::Replayed(r) = again {
+                    assert_eq!(r.body, "ok");
+                    replayed = true;
+                    break;
+                }
+                assert!(matches!(again, Outcome::InFlight { .. }), "{again:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(
+                replayed,
+                "{save_wait:?}/{save_retry:?}: the result was saved"
+            );
+        }
+    }
+
+    /// Issue 16 item 7: `Engine::begin` with a request whose lease is 0
+    /// passed it to the store (bypassing the 1 s floor of `with_config`), so
+    /// a second copy could take the key over at once.
+    #[tokio::test]
+    async fn begin_raises_a_zero_lease_to_the_floor() {
+        let engine = Engine::new(MemoryStore::new());
+        let req = BeginRequest {
+            scope: Scope::anonymous(),
+            key: IdempotencyKey::new("zero-lease").unwrap(),
+            fingerprint: Fingerprint::of(b"x"),
+            lease: Duration::ZERO,
+        };
+        assert!(matches!(
+            engine.begin(&req).await.unwrap(),
+            Begin::Acquired(_)
+        ));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            matches!(engine.begin(&req).await.unwrap(), Begin::InFlight { .. }),
+            "a second copy must not take over a live claim"
+        );
+    }
+
+    mod extremes {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// 0, 1 ns, 1 ms, 1 s, 30 s, `u64::MAX` s, `Duration::MAX`.
+        fn extreme() -> impl Strategy<Value = Duration> {
+            prop_oneof![
+                Just(Duration::ZERO),
+                Just(Duration::from_nanos(1)),
+                Just(Duration::from_millis(1)),
+                Just(MIN_LEASE),
+                Just(Duration::from_secs(30)),
+                Just(Duration::from_secs(u64::MAX)),
+                Just(Duration::MAX),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(48))]
+
+            /// Issue 16 item 7: every duration of `EngineConfig` at an
+            /// extreme: no panic; `try_with_config` refuses with a typed
+            /// error or gives an engine that runs once and replays, and so
+            /// does `with_config` (which raises a short lease).
+            #[test]
+            fn extreme_engine_settings_never_panic(
+                lease in extreme(), ttl in extreme(), wait in extreme(),
+                save_wait in extreme(), save_retry in extreme(), watchdog in any::<bool>(),
+            ) {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                rt.block_on(async {
+                    let config = EngineConfig { lease, ttl, wait, watchdog, save_wait, save_retry, ..EngineConfig::default() };
+                    match Engine::try_with_config(MemoryStore::new(), config.clone()) {
+                        Ok(e) => prop_assert!(e.config().lease >= MIN_LEASE),
+                        Err(EngineConfigError::LeaseTooShort { .. }) => prop_assert!(lease < MIN_LEASE),
+                        Err(EngineConfigError::TtlShorterThanLease { .. }) => prop_assert!(ttl < lease),
+                    }
+                    let engine = Engine::with_config(MemoryStore::new(), config);
+                    prop_assert!(engine.config().lease >= MIN_LEASE);
+                    let key = IdempotencyKey::new("extreme").unwrap();
+                    let scope = Scope::anonymous();
+                    let run = || engine.execute(&scope, &key, Fingerprint::of(b"x"), |_| async {
+                        stored("once")
+                    });
+                    let first = run().await.unwrap();
+                    prop_assert!(matches!(first, Outcome::Executed { .. }), "{:?}", first);
+                    let again = run().await.unwrap();
+                    // A TTL shorter than a millisecond may already have passed.
+                    prop_assert!(
+                        matches!(&again, Outcome::Replayed(r) if r.body == "once")
+                            || (ttl < Duration::from_millis(2) && matches!(again, Outcome::Executed { .. })),
+                        "{:?}", again
+                    );
+                    Ok(())
+                })?;
+            }
+        }
     }
 }

@@ -399,7 +399,11 @@ impl<B: LockBackend> Lock<B> {
     }
 
     /// The same lock with another limit on each backend call (acquire,
-    /// release; renewals are bounded by the lease instead).
+    /// release; renewals are bounded by the lease instead). Default
+    /// [`DEFAULT_CALL_TIMEOUT`] (5 s). Any length is accepted: 0 fails every
+    /// call the backend does not answer at once ([`LockError::Timeout`]);
+    /// one too long to add to the current instant (up to `Duration::MAX`)
+    /// means no limit.
     pub fn with_call_timeout(self, timeout: Duration) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -817,5 +821,54 @@ mod tests {
         assert_eq!(a.len(), 32);
         assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
         assert_ne!(a, new_owner_token());
+    }
+
+    mod extremes {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn extreme() -> impl Strategy<Value = Duration> {
+            prop_oneof![
+                Just(Duration::ZERO),
+                Just(Duration::from_nanos(1)),
+                Just(MIN_TTL),
+                Just(Duration::from_secs(5)),
+                Just(MAX_TTL),
+                Just(Duration::from_secs(u64::MAX)),
+                Just(Duration::MAX),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(48))]
+
+            /// Issue 16 item 7: the lease APIs at extreme durations (TTL,
+            /// wait, call timeout): no panic; a TTL outside
+            /// `MIN_TTL..=MAX_TTL` is `InvalidTtl`, a zero call timeout a
+            /// `Timeout`, else the operation runs under the lock.
+            #[test]
+            fn extreme_lock_durations_never_panic(
+                ttl in extreme(), wait in extreme(), call_timeout in extreme(), keep in any::<bool>(),
+            ) {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                rt.block_on(async {
+                    let lock = Lock::new(MemoryLockBackend::default()).with_call_timeout(call_timeout);
+                    let opts = RunOptions { keep_on_success: keep, wait };
+                    let r = lock.run("extreme", ttl, opts, |f| async move { Ok::<_, std::io::Error>(f.fence) }).await;
+                    match r {
+                        Ok(Run::Done(_)) => prop_assert!((MIN_TTL..=MAX_TTL).contains(&ttl)),
+                        Ok(Run::Busy { .. }) => prop_assert!(false, "nothing else holds the name"),
+                        Err(LockRunError::Lock(LockError::InvalidTtl { .. })) => {
+                            prop_assert!(!(MIN_TTL..=MAX_TTL).contains(&ttl))
+                        }
+                        Err(LockRunError::Lock(LockError::Timeout { .. })) => {
+                            prop_assert!(call_timeout < Duration::from_millis(1))
+                        }
+                        Err(e) => prop_assert!(false, "{e}"),
+                    }
+                    Ok(())
+                })?;
+            }
+        }
     }
 }

@@ -179,17 +179,82 @@ where
     }
 }
 
-/// Settings of [`Dedup`].
+/// Settings of [`Dedup`], checked by [`DedupOptions::validate`] (and so by
+/// [`Dedup::with_options`]).
 #[derive(Debug, Clone, Copy)]
 pub struct DedupOptions {
     /// How long a claim holds before the next delivery may take it over
     /// (the consumer crashed). Must exceed the handler's longest run, or a
-    /// slow handler's message runs twice. Default 30 s.
+    /// slow handler's message runs twice. Default 30 s; at least
+    /// [`idem_core::MIN_LEASE`] (1 s): a zero lease would let every copy
+    /// of a message run. Millisecond precision; long leases saturate (up
+    /// to `Duration::MAX`).
     pub lease: Duration,
     /// How long a processed message is remembered. A redelivery after this
     /// **runs again**: keep it above the broker's longest redelivery
-    /// horizon. Default 7 days.
+    /// horizon. Default 7 days; at least [`MIN_RETENTION`] (1 s): a zero
+    /// retention would forget each message as soon as it is processed.
+    /// Millisecond precision; long ones saturate (up to `Duration::MAX`:
+    /// kept until the store deletes it).
     pub retention: Duration,
+}
+
+/// The shortest [`DedupOptions::retention`]: 1 s.
+pub const MIN_RETENTION: Duration = Duration::from_secs(1);
+
+/// Why [`DedupOptions`] were refused ([`DedupOptions::validate`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DedupOptionsError {
+    /// The lease is shorter than [`idem_core::MIN_LEASE`] (1 s).
+    #[error("the dedup lease ({lease:?}) is shorter than the minimum of {min:?}: a claim could end before its handler runs, and copies of a message would run again")]
+    LeaseTooShort {
+        /// The lease given.
+        lease: Duration,
+        /// [`idem_core::MIN_LEASE`].
+        min: Duration,
+    },
+    /// The retention is shorter than [`MIN_RETENTION`] (1 s).
+    #[error("the dedup retention ({retention:?}) is shorter than the minimum of {min:?}: a processed message would be forgotten at once, and its redelivery run again")]
+    RetentionTooShort {
+        /// The retention given.
+        retention: Duration,
+        /// [`MIN_RETENTION`].
+        min: Duration,
+    },
+}
+
+impl DedupOptions {
+    /// Checks the settings: a lease of at least [`idem_core::MIN_LEASE`]
+    /// (1 s) and a retention of at least [`MIN_RETENTION`] (1 s). Longer
+    /// values, up to `Duration::MAX`, are accepted.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_mq::{DedupOptions, DedupOptionsError};
+    /// assert!(DedupOptions::default().validate().is_ok());
+    /// let zero = DedupOptions { retention: Duration::ZERO, ..DedupOptions::default() };
+    /// assert!(matches!(zero.validate(), Err(DedupOptionsError::RetentionTooShort { .. })));
+    /// ```
+    ///
+    /// # Errors
+    /// [`DedupOptionsError::LeaseTooShort`],
+    /// [`DedupOptionsError::RetentionTooShort`].
+    pub fn validate(&self) -> Result<(), DedupOptionsError> {
+        if self.lease < idem_core::MIN_LEASE {
+            return Err(DedupOptionsError::LeaseTooShort {
+                lease: self.lease,
+                min: idem_core::MIN_LEASE,
+            });
+        }
+        if self.retention < MIN_RETENTION {
+            return Err(DedupOptionsError::RetentionTooShort {
+                retention: self.retention,
+                min: MIN_RETENTION,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for DedupOptions {
@@ -263,10 +328,15 @@ impl<S: Store> Dedup<S, ()> {
 }
 
 impl<S: Store, H> Dedup<S, H> {
-    /// Sets the options.
-    pub fn with_options(mut self, options: DedupOptions) -> Self {
+    /// Sets the options, checked first ([`DedupOptions::validate`]).
+    ///
+    /// # Errors
+    /// [`DedupOptionsError`] for a lease or retention under 1 s (the
+    /// options in force are left as they were).
+    pub fn with_options(mut self, options: DedupOptions) -> Result<Self, DedupOptionsError> {
+        options.validate()?;
         self.options = options;
-        self
+        Ok(self)
     }
 
     /// Sets the handler, making this a [`Processor`].

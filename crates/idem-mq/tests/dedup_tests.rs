@@ -37,7 +37,7 @@ fn opts() -> DedupOptions {
 
 #[tokio::test]
 async fn duplicate_is_skipped_and_failure_releases() {
-    let dedup = Dedup::new(MemoryStore::new()).with_options(opts());
+    let dedup = Dedup::new(MemoryStore::new()).with_options(opts()).unwrap();
     let k = key("c", "m1");
     let runs = AtomicU32::new(0);
     let r: Result<DedupOutcome<()>, DedupError<&str>> = dedup
@@ -68,11 +68,12 @@ async fn duplicate_is_skipped_and_failure_releases() {
 #[tokio::test]
 async fn h2_expired_lease_is_processed_again_and_live_one_is_not() {
     let clock = ManualClock::new(Millis(1_000_000));
-    let dedup =
-        Dedup::new(MemoryStore::new().with_clock(clock.clone())).with_options(DedupOptions {
+    let dedup = Dedup::new(MemoryStore::new().with_clock(clock.clone()))
+        .with_options(DedupOptions {
             lease: Duration::from_secs(10),
             retention: Duration::from_secs(60),
-        });
+        })
+        .unwrap();
     let k = key("c", "crashy");
     // The first consumer claims and "crashes" inside its handler: the
     // future is dropped after begin, so neither complete nor release runs.
@@ -125,7 +126,7 @@ async fn h2_expired_lease_is_processed_again_and_live_one_is_not() {
 /// The same id in two partitions, or for two consumers, is two messages.
 #[tokio::test]
 async fn partitions_and_consumers_scope_ids() {
-    let dedup = Dedup::new(MemoryStore::new()).with_options(opts());
+    let dedup = Dedup::new(MemoryStore::new()).with_options(opts()).unwrap();
     let key = |consumer, partition| {
         MessageKey::new(consumer, "offset-5")
             .unwrap()
@@ -155,6 +156,7 @@ async fn processor_fails_twice_then_one_effect() {
     handler.fail_first.store(2, Ordering::SeqCst);
     let p = Dedup::new(MemoryStore::new())
         .with_options(opts())
+        .unwrap()
         .with_handler(handler);
     let m = msg(key("c", "pay-1"));
     let mut outcomes = Vec::new();
@@ -218,4 +220,117 @@ async fn redis_n_messages_with_duplicates_give_n_effects() {
     assert_eq!(effects.len(), n);
     assert!(effects.values().all(|&v| v == 1), "{effects:?}");
     ledger.fail_next(0);
+}
+
+/// Issue 16 item 7: a zero retention (or lease) was accepted, so every
+/// processed message was forgotten at once (every copy of it ran). Now the
+/// options are refused with a typed error.
+#[test]
+fn zero_retention_and_lease_are_refused() {
+    use idem_mq::{DedupOptionsError, MIN_RETENTION};
+    for retention in [
+        Duration::ZERO,
+        Duration::from_nanos(1),
+        Duration::from_millis(999),
+    ] {
+        let r = Dedup::new(MemoryStore::new()).with_options(DedupOptions {
+            retention,
+            ..opts()
+        });
+        assert_eq!(
+            r.err(),
+            Some(DedupOptionsError::RetentionTooShort {
+                retention,
+                min: MIN_RETENTION
+            })
+        );
+    }
+    for lease in [Duration::ZERO, Duration::from_nanos(1)] {
+        let r = Dedup::new(MemoryStore::new()).with_options(DedupOptions { lease, ..opts() });
+        assert!(matches!(
+            r.err(),
+            Some(DedupOptionsError::LeaseTooShort { .. })
+        ));
+    }
+}
+
+mod extremes {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn extreme() -> impl Strategy<Value = Duration> {
+        prop_oneof![
+            Just(Duration::ZERO),
+            Just(Duration::from_nanos(1)),
+            Just(Duration::from_secs(1)),
+            Just(Duration::from_secs(30)),
+            Just(Duration::from_secs(u64::MAX)),
+            Just(Duration::MAX),
+        ]
+    }
+
+    /// Any duration: the extremes above, or any seconds and nanoseconds.
+    fn any_duration() -> impl Strategy<Value = Duration> {
+        prop_oneof![
+            extreme(),
+            (any::<u64>(), 0..1_000_000_000u32).prop_map(|(s, n)| Duration::new(s, n)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Issue 16 item 7: the inbox (SQLite) at any purge age and retry
+        /// count: no panic, no error; an age of an hour or more (up to
+        /// `Duration::MAX`) keeps the row committed just now.
+        #[test]
+        fn inbox_purge_ages_and_retries_never_panic(age in any_duration(), retries in any::<u32>()) {
+            use idem_mq::inbox::{Claim, Inbox, InboxOptions};
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+                let inbox = Inbox::with_options(pool, InboxOptions::default().with_retries(retries)).unwrap();
+                inbox.migrate().await.unwrap();
+                match inbox.claim("c", "m").await.unwrap() {
+                    Claim::New(tx) => tx.commit().await.unwrap(),
+                    Claim::Duplicate => prop_assert!(false, "fresh inbox"),
+                }
+                let purged = inbox.purge_older_than(age).await;
+                prop_assert!(purged.is_ok(), "{:?}: {:?}", age, purged);
+                if age >= Duration::from_secs(3600) {
+                    prop_assert_eq!(purged.unwrap(), 0);
+                    prop_assert!(inbox.is_processed("c", "m").await.unwrap());
+                }
+                Ok(())
+            })?;
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(36))]
+
+        /// Issue 16 item 7: `DedupOptions` at extreme durations: no panic;
+        /// refused with a typed error below 1 s, else a working dedup (runs
+        /// once, then a duplicate).
+        #[test]
+        fn extreme_dedup_options_never_panic(lease in extreme(), retention in extreme()) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let options = DedupOptions { lease, retention };
+                let dedup = match Dedup::new(MemoryStore::new()).with_options(options) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        prop_assert!(lease < Duration::from_secs(1) || retention < Duration::from_secs(1), "{}", e);
+                        return Ok(());
+                    }
+                };
+                let k = key("c", "extreme");
+                let first: Result<_, DedupError<()>> = dedup.run(&k, || async { Ok(1) }).await;
+                prop_assert_eq!(first.unwrap(), DedupOutcome::Applied(1));
+                let again: Result<_, DedupError<()>> = dedup.run(&k, || async { Ok(2) }).await;
+                prop_assert_eq!(again.unwrap(), DedupOutcome::Duplicate);
+                Ok(())
+            })?;
+        }
+    }
 }

@@ -298,6 +298,7 @@ async fn in_flight_duplicate_is_naked_not_run() {
                 lease: Duration::from_secs(30),
                 retention: Duration::from_secs(600),
             })
+            .unwrap()
             .with_handler(common::CountingCredit::default()),
     );
     // Another consumer holds pay-1 right now.

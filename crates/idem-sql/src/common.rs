@@ -126,6 +126,14 @@ where
     }
 }
 
+/// `start + d`, saturating: a `d` too long to add (`Duration::MAX`, as a
+/// `wait_for_change` max) gives a deadline about 30 years on, which no
+/// wait reaches.
+pub(crate) fn instant_after(start: tokio::time::Instant, d: Duration) -> tokio::time::Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
+    start.checked_add(d).unwrap_or_else(|| start + FAR.min(d))
+}
+
 /// A duration in whole milliseconds as an `i64` for SQL, rounded up (a
 /// non-zero duration never becomes 0 ms) and saturating.
 pub(crate) fn ms_i64(d: Duration) -> i64 {

@@ -79,8 +79,14 @@ use crate::dialect::{error_kind, is_plain_ident, Dialect, ErrorKind};
 pub const DEFAULT_TABLE: &str = "idem_inbox";
 
 /// Longest consumer name and message id accepted, in bytes (the columns are
-/// `VARCHAR(255)` on MySQL). Hash longer ids first (`idem-mq` does).
+/// `VARBINARY(255)` on MySQL). Hash longer ids first (`idem-mq` does).
 pub const MAX_ID_LEN: usize = 255;
+
+/// The longest age [`Inbox::purge_older_than`] uses: 100 years (36,525
+/// days). Longer ages saturate to it; the cut-off "now − 100 years" is
+/// representable on every database (MySQL's `DATETIME` starts at year 1000,
+/// PostgreSQL's `make_interval` overflowed on `Duration::MAX`).
+pub const MAX_PURGE_AGE: Duration = Duration::from_secs(36_525 * 24 * 3600);
 
 /// Longest table-name part (PostgreSQL's `NAMEDATALEN - 1`).
 const MAX_IDENT_LEN: usize = 63;
@@ -247,7 +253,8 @@ pub type TxFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send +
 /// `message_id` (≤ 255 bytes), `processed_at` (store time: PostgreSQL
 /// `timestamptz`, MySQL `DATETIME(3)` UTC, SQLite integer ms since the
 /// epoch); primary key `(consumer, message_id)`, compared byte for byte
-/// (MySQL collation `utf8mb4_bin`); an index on `processed_at` for purges.
+/// (MySQL `VARBINARY(255)`: no collation, so `m1` and `m1 ` are two
+/// messages); an index on `processed_at` for purges.
 #[derive(Debug, Clone)]
 pub struct Inbox<DB: InboxDatabase> {
     pool: Pool<DB>,
@@ -259,11 +266,22 @@ pub struct Inbox<DB: InboxDatabase> {
 #[doc(hidden)]
 pub struct Statements {
     migrate: Vec<String>,
+    upgrade: Option<Upgrade>,
     insert: String,
     exists: String,
     purge: String,
     /// The purge's bound value per millisecond of age (MySQL binds µs).
     purge_units_per_ms: i64,
+}
+
+/// A column-type upgrade of a table made by an earlier version: run
+/// `alter` when `check` (bound: `schema`, `table`) finds a row.
+#[derive(Debug, Clone)]
+struct Upgrade {
+    check: String,
+    alter: String,
+    schema: String,
+    table: String,
 }
 
 impl Statements {
@@ -313,21 +331,51 @@ impl Statements {
                 "now() - make_interval(secs => $1::float8 / 1000)".to_owned(),
                 1,
             ),
+            // VARBINARY, as `idem_records`: a character column pads trailing
+            // spaces even under `utf8mb4_bin` ('m1' = 'm1 '), and two
+            // distinct messages would share one row.
             #[cfg(feature = "mysql")]
             Dialect::MySql => (
                 vec![format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (consumer VARCHAR(255) NOT NULL, \
-                     message_id VARCHAR(255) NOT NULL, processed_at DATETIME(3) NOT NULL, \
+                    "CREATE TABLE IF NOT EXISTS {t} (consumer VARBINARY(255) NOT NULL, \
+                     message_id VARBINARY(255) NOT NULL, processed_at DATETIME(3) NOT NULL, \
                      PRIMARY KEY (consumer, message_id), KEY {index} (processed_at)) \
-                     ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+                     ENGINE=InnoDB"
                 )],
                 "UTC_TIMESTAMP(3)".to_owned(),
                 "UTC_TIMESTAMP(3) - INTERVAL ? MICROSECOND".to_owned(),
                 1000,
             ),
         };
+        // A MySQL table made by an earlier version has `VARCHAR(255)
+        // utf8mb4_bin` columns: found by the first query (bound: schema or
+        // '' for the current database, table), converted by the second.
+        // The bytes are kept; rows unique under the padding collation stay
+        // unique byte for byte.
+        let upgrade = match d {
+            #[cfg(feature = "mysql")]
+            Dialect::MySql => Some(Upgrade {
+                check: "SELECT 1 FROM information_schema.COLUMNS \
+                        WHERE TABLE_SCHEMA = COALESCE(NULLIF(?, ''), DATABASE()) \
+                        AND TABLE_NAME = ? AND COLUMN_NAME IN ('consumer', 'message_id') \
+                        AND DATA_TYPE <> 'varbinary' LIMIT 1"
+                    .to_owned(),
+                alter: format!(
+                    "ALTER TABLE {t} MODIFY consumer VARBINARY(255) NOT NULL, \
+                     MODIFY message_id VARBINARY(255) NOT NULL"
+                ),
+                schema: match table {
+                    [schema, _] => schema.clone(),
+                    _ => String::new(),
+                },
+                table: name.clone(),
+            }),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        };
         Self {
             migrate,
+            upgrade,
             insert: format!(
                 "INSERT INTO {t} (consumer, message_id, processed_at) VALUES ({p1}, {p2}, {stamp})"
             ),
@@ -364,6 +412,13 @@ impl<DB: InboxDatabase> Inbox<DB> {
 
     /// Creates the table and its index if missing (idempotent).
     ///
+    /// On MySQL/MariaDB it also upgrades a table made by idem 0.1's first
+    /// inbox, whose `VARCHAR(255) utf8mb4_bin` id columns treated ids that
+    /// differ only by trailing spaces as one (`'m1' = 'm1 '`): the columns
+    /// become `VARBINARY(255)` (`ALTER TABLE … MODIFY`, bytes kept; it
+    /// rebuilds the table, so on a large inbox run it at a quiet time or
+    /// purge first). Nothing is altered once the columns are binary.
+    ///
     /// # Errors
     /// [`InboxError::Database`] (op `"migrate"`).
     pub async fn migrate(&self) -> Result<(), InboxError> {
@@ -371,6 +426,17 @@ impl<DB: InboxDatabase> Inbox<DB> {
             DB::execute(&self.pool, stmt)
                 .await
                 .map_err(InboxError::db("migrate"))?;
+        }
+        if let Some(u) = &self.sql.upgrade {
+            let old = DB::exists(&self.pool, &u.check, &u.schema, &u.table)
+                .await
+                .map_err(InboxError::db("migrate"))?;
+            if old {
+                tracing::info!(table = %u.table, "upgrading the inbox's id columns to VARBINARY(255)");
+                DB::execute(&self.pool, &u.alter)
+                    .await
+                    .map_err(InboxError::db("migrate"))?;
+            }
         }
         Ok(())
     }
@@ -470,9 +536,15 @@ impl<DB: InboxDatabase> Inbox<DB> {
     /// purged message is processed **again**: keep `age` above the broker's
     /// longest redelivery horizon.
     ///
+    /// `age` saturates at [`MAX_PURGE_AGE`] (100 years): a longer one, up
+    /// to `Duration::MAX`, purges nothing and returns `Ok(0)` on every
+    /// database (no row is that old; the cut-off stays inside every
+    /// database's date range). `Duration::ZERO` purges every committed row.
+    ///
     /// # Errors
     /// [`InboxError::Database`] (op `"purge"`).
     pub async fn purge_older_than(&self, age: Duration) -> Result<u64, InboxError> {
+        let age = age.min(MAX_PURGE_AGE);
         let ms = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
         let age = ms.saturating_mul(self.sql.purge_units_per_ms);
         DB::purge(&self.pool, &self.sql.purge, age)

@@ -927,7 +927,8 @@ impl Store for MySqlStore {
         let Some((fence, left)) = claim(self.read(P, scope, key).await?) else {
             return Ok(());
         };
-        let until = (started + left + Duration::from_millis(1)).min(started + max);
+        let until = common::instant_after(started, left + Duration::from_millis(1))
+            .min(common::instant_after(started, max));
         common::poll_while_claimed(until, self.inner.poll_interval, fence, || async {
             Ok(claim(self.read(P, scope, key).await?).map(|(f, _)| f))
         })

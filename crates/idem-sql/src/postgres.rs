@@ -832,7 +832,7 @@ impl Store for PostgresStore {
         max: Duration,
     ) -> Result<(), StoreError> {
         let started = tokio::time::Instant::now();
-        let deadline = started + max;
+        let deadline = common::instant_after(started, max);
         let wanted = record_hash(scope.as_str(), key.as_str());
         // Subscribe before reading, so a change committed after the read is
         // always seen as a notification.
@@ -847,7 +847,7 @@ impl Store for PostgresStore {
         let Some((fence, left)) = self.live_claim(scope, key).await? else {
             return Ok(());
         };
-        let until = (started + left + Duration::from_millis(1)).min(deadline);
+        let until = common::instant_after(started, left + Duration::from_millis(1)).min(deadline);
         match rx.as_mut() {
             Some(rx) => loop {
                 match tokio::time::timeout_at(until, rx.recv()).await {

@@ -516,7 +516,7 @@ impl Store for SqliteStore {
         max: Duration,
     ) -> Result<(), StoreError> {
         const P: Phase = Phase::Get;
-        let deadline = tokio::time::Instant::now() + max;
+        let deadline = crate::common::instant_after(tokio::time::Instant::now(), max);
         let claim = |row: Option<RawRecord>, now: i64| {
             row.and_then(|r| r.live_claim(now)).map(|(fence, _)| fence)
         };

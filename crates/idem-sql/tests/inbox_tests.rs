@@ -320,6 +320,56 @@ macro_rules! scenarios {
             cleanup(&inbox, &[&credits, &table]).await;
         }
 
+        /// Issue 16 item 7: ids that differ only by trailing spaces (or a
+        /// tab) are distinct messages on every database (MySQL's
+        /// `utf8mb4_bin` columns padded spaces: `'m1' = 'm1 '`).
+        #[tokio::test]
+        async fn ids_differing_by_trailing_spaces_are_distinct() {
+            let (inbox, credits, table) = setup().await;
+            commit_new(inbox.claim("c", "m1").await.unwrap()).await;
+            for other in ["m1 ", "m1  ", "m1\t", " m1"] {
+                assert!(
+                    matches!(inbox.claim("c", other).await.unwrap(), Claim::New(_)),
+                    "{other:?} is another message than \"m1\""
+                );
+                assert!(!inbox.is_processed("c", other).await.unwrap(), "{other:?}");
+            }
+            commit_new(inbox.claim("c", "m1 ").await.unwrap()).await;
+            commit_new(inbox.claim("c ", "m1").await.unwrap()).await;
+            assert!(matches!(
+                inbox.claim("c", "m1 ").await.unwrap(),
+                Claim::Duplicate
+            ));
+            assert!(matches!(
+                inbox.claim("c", "m1").await.unwrap(),
+                Claim::Duplicate
+            ));
+            cleanup(&inbox, &[&credits, &table]).await;
+        }
+
+        /// Issue 16 item 7: an age too long to mean anything (up to
+        /// `Duration::MAX`) purges nothing and is no error, on every
+        /// database (PostgreSQL's interval overflowed).
+        #[tokio::test]
+        async fn purge_of_an_extreme_age_saturates_to_nothing() {
+            let (inbox, credits, table) = setup().await;
+            commit_new(inbox.claim("c", "kept").await.unwrap()).await;
+            for age in [
+                idem_sql::inbox::MAX_PURGE_AGE,
+                Duration::from_secs(u64::MAX),
+                Duration::MAX,
+                Duration::from_secs(i64::MAX as u64 / 1000),
+            ] {
+                assert_eq!(
+                    inbox.purge_older_than(age).await.expect("no error"),
+                    0,
+                    "{age:?}"
+                );
+            }
+            assert!(inbox.is_processed("c", "kept").await.unwrap());
+            cleanup(&inbox, &[&credits, &table]).await;
+        }
+
         #[tokio::test]
         async fn bad_input_is_typed() {
             let (inbox, credits, table) = setup().await;
@@ -469,6 +519,60 @@ mod mysql {
         "INSERT INTO {} (payment_id, cents) VALUES (?, ?)",
         "DROP TABLE {}"
     );
+
+    /// A table made by the first inbox (`VARCHAR(255)` columns,
+    /// `utf8mb4_bin`) is upgraded by `migrate` to binary ids: its rows are
+    /// kept, and an id that differs by a trailing space is a new message.
+    #[tokio::test]
+    async fn migrate_upgrades_a_varchar_table_to_binary_ids() {
+        let pool = servers::my_pool(4).await;
+        let table = format!("inbox_old_{}", suffix());
+        sqlx::raw_sql(&format!(
+            "CREATE TABLE {table} (consumer VARCHAR(255) NOT NULL, \
+             message_id VARCHAR(255) NOT NULL, processed_at DATETIME(3) NOT NULL, \
+             PRIMARY KEY (consumer, message_id), KEY {table}_processed_at (processed_at)) \
+             ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query(&format!(
+            "INSERT INTO {table} VALUES ('c', 'm1', UTC_TIMESTAMP(3))"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let inbox = Inbox::with_options(
+            pool.clone(),
+            InboxOptions::default().with_table(table.clone()),
+        )
+        .unwrap();
+        inbox.migrate().await.unwrap();
+        inbox.migrate().await.unwrap(); // idempotent
+        let types: Vec<String> = sqlx::query_scalar(
+            "SELECT CAST(DATA_TYPE AS CHAR) FROM information_schema.COLUMNS \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? \
+             AND COLUMN_NAME IN ('consumer', 'message_id')",
+        )
+        .bind(&table)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(types, ["varbinary", "varbinary"]);
+        assert!(inbox.is_processed("c", "m1").await.unwrap(), "row kept");
+        assert!(matches!(
+            inbox.claim("c", "m1").await.unwrap(),
+            Claim::Duplicate
+        ));
+        assert!(matches!(
+            inbox.claim("c", "m1 ").await.unwrap(),
+            Claim::New(_)
+        ));
+        sqlx::query(&format!("DROP TABLE {table}"))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
 
     /// H1 on MySQL/MariaDB: error number 1062.
     #[tokio::test]

@@ -50,6 +50,7 @@ macro_rules! conformance_tests {
                 fence_grows_across_release_expiry_purge,
                 wait_for_change_returns_early_on_complete,
                 wait_for_change_returns_by_max,
+                wait_for_change_saturates_max,
                 odd_keys_and_scopes_round_trip,
                 same_key_in_two_scopes_independent,
             ]

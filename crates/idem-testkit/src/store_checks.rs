@@ -651,6 +651,35 @@ pub async fn wait_for_change_returns_by_max<H: Harness>(h: &H) {
         .expect("wait_for_change");
 }
 
+/// `wait_for_change` with `max = Duration::MAX` (issue 16 item 7: SQL
+/// stores panicked at `Instant + max`): no panic; prompt for an absent
+/// key, and for a claimed key once it is released.
+pub async fn wait_for_change_saturates_max<H: Harness>(h: &H) {
+    let store = h.store();
+    let (scope, key, r) = fresh_req("wait-dmax", LONG);
+    let absent = fresh_key("wait-dmax-absent");
+    tokio::time::timeout(
+        3 * SEC,
+        store.wait_for_change(&scope, &absent, Duration::MAX),
+    )
+    .await
+    .expect("wait_for_change(Duration::MAX) on an absent key must return")
+    .expect("wait_for_change");
+    let lease = acquire(&store, &r).await;
+    let releaser = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(ms(150)).await;
+            store.release(&lease).await
+        })
+    };
+    tokio::time::timeout(10 * SEC, store.wait_for_change(&scope, &key, Duration::MAX))
+        .await
+        .expect("wait_for_change(Duration::MAX) must return once the key is released")
+        .expect("wait_for_change");
+    releaser.await.expect("releaser task").expect("release");
+}
+
 /// Keys with spaces, quotes, SQL and glob metacharacters, keys of the
 /// maximum length, keys that differ only in case or trailing blanks, and
 /// scopes of 64 hex characters, 255 bytes, UTF-8 or empty all round-trip as

@@ -271,6 +271,7 @@ pub async fn redis_ledger() -> RedisLedger {
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(600),
         })
+        .unwrap()
         .with_handler(CountingCredit::default())
 }
 
