@@ -394,7 +394,16 @@ mod memory_tests {
                         .begin(&req(&scope, &k, fpr, Duration::from_millis(lease_ms)))
                         .await
                         .map_err(|e| TestCaseError::fail(format!("begin: {e}")))?;
-                    let live = model.get(&rec).filter(|m| m.deadline() > now).cloned();
+                    // What answers instead of a claim: a live record, or an
+                    // ended claim of another request (taken over only by
+                    // the same fingerprint).
+                    let live = model
+                        .get(&rec)
+                        .filter(|m| {
+                            m.deadline() > now
+                                || matches!(m, Model::InProgress { fp, .. } if *fp != fpr)
+                        })
+                        .cloned();
                     match (live, got) {
                         (
                             Some(Model::InProgress { fp: mf, until, .. }),
