@@ -27,30 +27,15 @@ async fn a_guarded_request_carries_its_lease_fence_and_a_rerun_a_greater_one() {
     let k = key("fence");
     // A 500 is released: the retry runs again, under a new claim.
     let url = rig.gw.url("/status/500");
-    let first = send(
-        &rig.c,
-        Method::POST,
-        &url,
-        &[
-            ("idempotency-key", &k),
-            ("content-type", "application/json"),
-        ],
-        "{}",
-    )
-    .await;
+    let headers = [
+        ("idempotency-key", k.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let run = || send(&rig.c, Method::POST, &url, &headers, "{}");
+    let first = run().await;
     assert_eq!(first.status, 500);
     let f1 = fence_seen(&rig.up).expect("the first run has a fence");
-    let again = send(
-        &rig.c,
-        Method::POST,
-        &url,
-        &[
-            ("idempotency-key", &k),
-            ("content-type", "application/json"),
-        ],
-        "{}",
-    )
-    .await;
+    let again = run().await;
     assert_eq!(again.status, 500);
     assert_eq!(rig.up.hits(), 2);
     let f2 = fence_seen(&rig.up).expect("the rerun has a fence");
