@@ -121,7 +121,7 @@ const HEAD: usize = 58;
 enum Slot {
     /// Completed: one allocation, laid out as `[fingerprint 32][expires_at
     /// u64][seq u64][size u64][scope len u8][key len u8][scope][key]
-    /// [status u16][body_omitted u8][header count][(name len, name, value
+    /// [status u16][flags u8: bit 0 body_omitted, bit 1 released][header count][(name len, name, value
     /// len, value)*][body]`, integers little-endian, counts and lengths LEB128.
     Done(Arc<[u8]>),
     /// In flight.
@@ -216,7 +216,7 @@ fn encode_done(
     out.extend_from_slice(k.scope);
     out.extend_from_slice(k.key);
     out.extend_from_slice(&resp.status.to_le_bytes());
-    out.push(u8::from(resp.body_omitted));
+    out.push(u8::from(resp.body_omitted) | (u8::from(resp.released) << 1));
     put_varint(&mut out, resp.headers.len());
     for (n, v) in &resp.headers {
         put_varint(&mut out, n.len());
@@ -236,7 +236,8 @@ fn decode_response(rec: &Arc<[u8]>) -> StoredResponse {
         let mut c = Cursor { buf: rec, at };
         let st = c.take(2)?;
         let status = u16::from_le_bytes([st[0], st[1]]);
-        let body_omitted = c.take(1)?[0] != 0;
+        let flags = c.take(1)?[0];
+        let (body_omitted, released) = (flags & 1 != 0, flags & 2 != 0);
         let count = c.varint()?;
         let mut headers = Vec::with_capacity(count.min(256));
         for _ in 0..count {
@@ -255,6 +256,7 @@ fn decode_response(rec: &Arc<[u8]>) -> StoredResponse {
             headers,
             body,
             body_omitted,
+            released,
         })
     }
     // The bytes were written by `encode_done` and never change afterwards.
@@ -1190,6 +1192,7 @@ mod tests {
             ],
             body: Bytes::from_static(&[0, 159, 146, 150, 255]),
             body_omitted: true,
+            released: true,
         };
         let fp = Fingerprint::of(b"x");
         let size = entry_size(k, Some(&resp));

@@ -23,6 +23,13 @@ pub struct StoredResponse {
     /// reproduce its body.
     #[serde(default)]
     pub body_omitted: bool,
+    /// `true` for the answer of an execution that failed without effect and
+    /// released its key ([`crate::Action::ReleaseWith`]): it is replayed
+    /// only to the duplicates that waited for that execution or arrived
+    /// within [`crate::EngineConfig::share_failure`] after it; then the key
+    /// is free and a retry runs again.
+    #[serde(default)]
+    pub released: bool,
 }
 
 impl StoredResponse {
@@ -33,6 +40,7 @@ impl StoredResponse {
             headers: Vec::new(),
             body: body.into(),
             body_omitted: false,
+            released: false,
         }
     }
 
@@ -52,7 +60,8 @@ impl StoredResponse {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.stored_size() + 16);
         out.push(1u8); // format version
-        out.push(u8::from(self.body_omitted));
+                       // Flags: bit 0 `body_omitted`, bit 1 `released`.
+        out.push(u8::from(self.body_omitted) | (u8::from(self.released) << 1));
         out.extend_from_slice(&self.status.to_be_bytes());
         out.extend_from_slice(&(self.headers.len() as u32).to_be_bytes());
         for (n, v) in &self.headers {
@@ -88,7 +97,11 @@ impl StoredResponse {
         if head[0] != 1 {
             return Err(format!("unknown response format version {}", head[0]));
         }
-        let body_omitted = head[1] != 0;
+        if head[1] > 3 {
+            return Err(format!("unknown response flags {:#04x}", head[1]));
+        }
+        let body_omitted = head[1] & 1 != 0;
+        let released = head[1] & 2 != 0;
         let status = u16::from_be_bytes([head[2], head[3]]);
         let count = u32_(&mut buf)?;
         let mut headers = Vec::with_capacity(count.min(1024));
@@ -112,6 +125,7 @@ impl StoredResponse {
             headers,
             body,
             body_omitted,
+            released,
         })
     }
 }
@@ -144,8 +158,17 @@ mod tests {
             ],
             body: Bytes::from_static(&[0, 159, 146, 150, 255]),
             body_omitted: false,
+            released: false,
         };
         assert_eq!(StoredResponse::decode(&r.encode()).unwrap(), r);
+        for (omitted, released) in [(true, false), (false, true), (true, true)] {
+            let r = StoredResponse {
+                body_omitted: omitted,
+                released,
+                ..r.clone()
+            };
+            assert_eq!(StoredResponse::decode(&r.encode()).unwrap(), r);
+        }
     }
 
     #[test]
@@ -155,5 +178,9 @@ mod tests {
         let mut ok = StoredResponse::new(200, "x").encode();
         ok.push(0);
         assert!(StoredResponse::decode(&ok).is_err());
+        // Flags this version does not know are refused, not ignored.
+        let mut flags = StoredResponse::new(200, "x").encode();
+        flags[1] = 4;
+        assert!(StoredResponse::decode(&flags).is_err());
     }
 }

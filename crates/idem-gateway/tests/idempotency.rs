@@ -256,11 +256,20 @@ async fn b3_chunked_upstream_response_is_stored() {
 
 #[tokio::test]
 async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
-    let Rig { up, gw, c } = rig(|_| {}).await;
+    let clock = idem_core::ManualClock::starting_now();
+    let Rig { up, gw, c } = rig_with(MemoryStore::new().with_clock(clock.clone()), |_| {}).await;
     let k = key("c1");
     let a = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
     assert_eq!(a.status, 500);
     assert_eq!(a.json()["execution"], 1);
+    assert!(!a.replayed());
+    // Shared with the duplicates for `share_failure` (1 s), then free.
+    let shared = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
+    assert_eq!(shared.status, 500);
+    assert!(shared.replayed());
+    assert_eq!(shared.json()["execution"], 1);
+    assert_eq!(shared.header("retry-after").as_deref(), Some("1"));
+    clock.advance(Duration::from_millis(1001));
     let b = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
     assert_eq!(b.status, 500);
     assert!(!b.replayed());
@@ -270,8 +279,43 @@ async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
     for code in [503, 429] {
         let k = key("c1-released");
         post(&c, &gw.url(&format!("/status/{code}")), Some(&k), "{}").await;
+        clock.advance(Duration::from_millis(1001));
         let r = post(&c, &gw.url(&format!("/status/{code}")), Some(&k), "{}").await;
         assert!(!r.replayed(), "{code} was stored");
+    }
+}
+
+/// Issue 16: with `--wait 5s` and an upstream that does its work and then
+/// answers 500, 20 concurrent duplicates used to cause 16 to 17 executions
+/// (each waiter woke to a released key and ran it again). They share the
+/// one execution's answer now; with `--share-failure 0` the old behaviour
+/// is back, which shows the test can fail.
+#[tokio::test]
+async fn waiters_share_a_5xx_instead_of_running_it_again() {
+    for (share, most) in [(Duration::from_secs(1), 1), (Duration::ZERO, 20)] {
+        let Rig { up, gw, .. } = rig(|c| {
+            c.layer.wait = Duration::from_secs(5);
+            c.layer.share_failure = share;
+        })
+        .await;
+        let k = key("wait-500");
+        let url = gw.url("/status/500?ms=100");
+        let answers = futures::future::join_all((0..20).map(|_| {
+            let (url, k) = (url.clone(), k.clone());
+            async move { post(&client(), &url, Some(&k), "{}").await }
+        }))
+        .await;
+        for a in &answers {
+            assert_eq!(a.status, 500, "{}", a.text());
+        }
+        if most == 1 {
+            assert_eq!(up.hits(), 1, "one execution for 20 waiting duplicates");
+            let replays = answers.iter().filter(|a| a.replayed()).count();
+            assert_eq!(replays, 19);
+            assert!(answers.iter().all(|a| a.json()["execution"] == 1));
+        } else {
+            assert!(up.hits() > 1, "without sharing the waiters run it again");
+        }
     }
 }
 

@@ -425,6 +425,19 @@ impl IdempotencyLayer {
         /// ```
         with_wait(wait: Duration);
 
+        /// How long the answer of a released failure (5xx, unreachable
+        /// inner service) is replayed to duplicates of the same request
+        /// before a retry runs again (default 1 s; 0: released at once; see
+        /// [`Options::share_failure`]).
+        ///
+        /// ```
+        /// use std::time::Duration;
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_share_failure(Duration::ZERO);
+        /// assert_eq!(layer.options().share_failure, Duration::ZERO);
+        /// ```
+        with_share_failure(share_failure: Duration);
+
 
         /// Whether passed-through requests (unguarded methods, guarded ones
         /// without a key) are logged too (default false; see

@@ -72,6 +72,14 @@ pub struct Options {
     /// How long a duplicate waits for an in-flight original (default
     /// [`EngineConfig::default`]'s, 0).
     pub wait: Duration,
+    /// How long the answer of a released failure (a status the policy
+    /// releases, e.g. a 5xx or 502 `upstream-unreachable`, with a body of
+    /// at most `retention_limit`) is replayed to duplicates of the same
+    /// request — those that waited for it and those arriving within this
+    /// window — before a retry runs again (default
+    /// [`EngineConfig::default`]'s, 1 s; 0: released at once, as before).
+    /// See [`idem_core::Action::ReleaseWith`].
+    pub share_failure: Duration,
     /// Which statuses are stored, released or held (default
     /// [`crate::default_policy`]: 1xx–4xx except 408, 409, 425, 429 are
     /// stored, the rest released; see [`StatusPolicy`] for overrides).
@@ -169,6 +177,7 @@ impl Default for Options {
             lease: engine.lease,
             ttl: engine.ttl,
             wait: engine.wait,
+            share_failure: engine.share_failure,
             policy: StatusPolicy::default(),
             key_source: KeySource::default(),
             fingerprint: FingerprintSpec::default(),
@@ -205,7 +214,8 @@ impl Options {
         self.engine_config().validate()
     }
 
-    /// The engine settings these options imply: `lease`, `ttl`, `wait`, a
+    /// The engine settings these options imply: `lease`, `ttl`, `wait`,
+    /// `share_failure`, a
     /// watchdog that renews the lease every third of its length, and
     /// `Hold` when a run is dropped mid-flight (a panicking inner service):
     /// the key frees itself when its lease ends.
@@ -214,6 +224,7 @@ impl Options {
             lease: self.lease,
             ttl: self.ttl,
             wait: self.wait,
+            share_failure: self.share_failure,
             watchdog: true,
             on_cancel: Action::Hold,
             ..EngineConfig::default()

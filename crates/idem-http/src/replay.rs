@@ -90,6 +90,7 @@ pub fn to_stored(
         headers,
         body: if body_omitted { Bytes::new() } else { body },
         body_omitted,
+        released: false,
     }
 }
 

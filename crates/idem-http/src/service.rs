@@ -510,6 +510,7 @@ impl Run {
         let (scope, key) = (&log.scope, &log.key);
         let policy = &options.policy;
         let retention_limit = options.retention_limit;
+        let share_failure = engine.config().share_failure;
         // The inner service and the request until the engine runs them:
         // still here once the engine returns means nothing was sent.
         let mut unsent = Some((inner, req));
@@ -523,7 +524,8 @@ impl Run {
                 match inner.call(req).await {
                     Err(e) => (Err(e), Action::Release),
                     Ok(resp) => {
-                        let (resp, action) = first_response(resp, policy, retention_limit).await;
+                        let (resp, action) =
+                            first_response(resp, policy, retention_limit, share_failure).await;
                         (Ok(resp), action)
                     }
                 }
@@ -536,6 +538,8 @@ impl Run {
             // A token stops counting against the budget once it is used up
             // (its result stored, or found used) or the store no longer
             // knows it; released, held or in flight, it is still live.
+            // A shared failure (`released`) leaves the token live: a
+            // retry after the window runs.
             if matches!(
                 outcome,
                 Ok(TokenOutcome::TokenRejected
@@ -543,10 +547,10 @@ impl Run {
                         Outcome::Executed {
                             saved: Saved::Stored,
                             ..
-                        } | Outcome::Replayed(_)
-                            | Outcome::Mismatch
+                        } | Outcome::Mismatch
                     ))
-            ) {
+            ) || matches!(&outcome, Ok(TokenOutcome::Keyed(Outcome::Replayed(r))) if !r.released)
+            {
                 live_tokens.consume(scope, key.as_str());
             }
             match outcome {
@@ -1071,10 +1075,17 @@ impl StoreFailure {
 }
 
 /// What the inner service's response becomes, and what to do with the key.
+///
+/// A released answer (a 5xx, an unreachable upstream) whose body fits in
+/// `retention_limit` is shared with the duplicates for `share_failure`
+/// ([`Action::ReleaseWith`]); its stored copy gains `Retry-After` (whole
+/// seconds, rounded up, at least 1; RFC 9110 §10.2.3) when the service sent
+/// none, so a duplicate that gets it knows when a retry runs again.
 async fn first_response<RB>(
     resp: Response<RB>,
     policy: &crate::policy::StatusPolicy,
     retention_limit: usize,
+    share_failure: std::time::Duration,
 ) -> (Response<BoxBody>, Action)
 where
     RB: Body<Data = Bytes> + Send + 'static,
@@ -1101,7 +1112,39 @@ where
         .unwrap_or_else(|| policy.disposition(parts.status));
     let body: BoxBody = body.map_err(Into::into).boxed_unsync();
     let (body, action) = match disposition {
-        Disposition::Release => (body, Action::Release),
+        Disposition::Release if share_failure.is_zero() => (body, Action::Release),
+        Disposition::Release => match capture(body, retention_limit).await {
+            Captured::Complete { data, trailers } => {
+                let mut stored = to_stored(parts.status, &parts.headers, data.clone(), false);
+                if !parts.headers.contains_key(header::RETRY_AFTER) {
+                    let secs = retry_after_secs(share_failure);
+                    stored
+                        .headers
+                        .push(("retry-after".to_owned(), secs.to_string().into_bytes()));
+                }
+                (
+                    Prefixed::complete(data, trailers).boxed_unsync(),
+                    Action::ReleaseWith(stored),
+                )
+            }
+            // Too large to share: released at once, the body streamed on.
+            Captured::OverLimit { prefix, rest } => {
+                (Prefixed::then(prefix, rest).boxed_unsync(), Action::Release)
+            }
+            Captured::Failed { prefix, error } => {
+                tracing::warn!(
+                    target: "idem",
+                    status = parts.status.as_u16(),
+                    received = prefix.len(),
+                    error = %error,
+                    "the body of a failure answer failed while it was buffered; answering 502, the key is released"
+                );
+                return (
+                    released_body_failed(parts.status, prefix.len()),
+                    Action::Release,
+                );
+            }
+        },
         Disposition::Hold => (body, Action::Hold),
         Disposition::Store => match capture(body, retention_limit).await {
             Captured::Complete { data, trailers } => {
@@ -1166,6 +1209,23 @@ fn body_failed(status: StatusCode, received: usize) -> Response<BoxBody> {
             "The response (status {}) failed after {received} bytes of its body, before \
              anything was sent. Its outcome is unknown, so this Idempotency-Key is held \
              until its lease ends; a retry with the same key is accepted after that.",
+            status.as_u16()
+        ),
+    )
+    .with_member("upstream_status", status.as_u16())
+    .into_response()
+}
+
+/// The 502 `upstream-failed` answer for a failure response (released by
+/// the policy) whose body failed while it was buffered to be shared.
+fn released_body_failed(status: StatusCode, received: usize) -> Response<BoxBody> {
+    Problem::new(
+        StatusCode::BAD_GATEWAY,
+        "upstream-failed",
+        format!(
+            "The response (status {}) failed after {received} bytes of its body, before \
+             anything was sent. The status says the request had no effect, so this \
+             Idempotency-Key was released: a retry runs again.",
             status.as_u16()
         ),
     )

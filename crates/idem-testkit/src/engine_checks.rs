@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use idem_core::{
     Action, Begin, Engine, EngineConfig, Outcome, Record, RecordState, Saved, Store, StoreError,
+    StoredResponse,
 };
 
 use crate::faulty::{Fault, FaultyStore, Op};
@@ -430,4 +431,141 @@ pub async fn engine_failed_save_is_retried_until_it_lands<H: Harness>(h: &H) {
         );
         tokio::time::sleep(ms(20)).await;
     }
+}
+
+/// Issue 16, waiters share the outcome they waited for: 20 concurrent
+/// duplicates in wait mode, whose original does its work and then fails
+/// without effect ([`Action::ReleaseWith`], an upstream 500), run the
+/// operation once — every waiter gets the original's failure replayed,
+/// marked `released` — where each waiter used to wake to a free key and run
+/// it again in turn (16 to 17 executions). A burst that arrives just after
+/// the failure, without waiting, gets the same answer; another request
+/// reusing the key within the window is `Mismatch`. Once
+/// [`EngineConfig::share_failure`] has passed, a retry runs again.
+pub async fn engine_waiters_share_a_released_failure<H: Harness>(h: &H) {
+    let window = Duration::from_secs(1);
+    let cfg = |wait| EngineConfig {
+        wait,
+        share_failure: window,
+        ..config(Duration::from_secs(30), Action::Hold)
+    };
+    let waiting = Engine::with_config(h.store(), cfg(Duration::from_secs(10)));
+    let (scope, key) = (fresh_scope(), fresh_key("share-failure"));
+    let failure = StoredResponse::new(500, b"upstream failed".to_vec());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let outcomes = all_at_once(20, |_| {
+        let (engine, scope, key, runs, failure) = (
+            waiting.clone(),
+            scope.clone(),
+            key.clone(),
+            runs.clone(),
+            failure.clone(),
+        );
+        async move {
+            let op = |_lease| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(ms(200)).await;
+                ((), Action::ReleaseWith(failure))
+            };
+            engine.execute(&scope, &key, fp("pay 10"), op).await
+        }
+    })
+    .await;
+    let shared = StoredResponse {
+        released: true,
+        ..failure.clone()
+    };
+    let (mut executed, mut replayed) = (0, 0);
+    for outcome in outcomes {
+        match outcome.expect("execute") {
+            Outcome::Executed { saved, .. } => {
+                executed += 1;
+                assert!(matches!(saved, Saved::Released), "saved: {saved:?}");
+            }
+            Outcome::Replayed(r) => {
+                replayed += 1;
+                assert_eq!(r, shared, "a waiter gets the failure it waited for");
+            }
+            other => panic!("a waiter must get the shared failure, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "one execution for 20 duplicates"
+    );
+    assert_eq!((executed, replayed), (1, 19));
+
+    // Within the window: a duplicate that did not wait gets it too, and
+    // another request on the key is refused.
+    let no_wait = Engine::with_config(h.store(), cfg(Duration::ZERO));
+    let burst = no_wait
+        .execute(&scope, &key, fp("pay 10"), |_| async {
+            panic!("a duplicate within the window must not run")
+        })
+        .await
+        .expect("execute");
+    assert!(
+        matches!(burst, Outcome::<()>::Replayed(ref r) if *r == shared),
+        "{burst:?}"
+    );
+    let other = no_wait
+        .execute(&scope, &key, fp("pay 99"), |_| async {
+            panic!("another request must not run on a shared failure")
+        })
+        .await
+        .expect("execute");
+    assert!(matches!(other, Outcome::<()>::Mismatch), "{other:?}");
+
+    // After the window the key is free: a retry runs again, once.
+    h.advance(window + ms(100)).await;
+    let retry = no_wait
+        .execute(&scope, &key, fp("pay 10"), |_| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                ((), Action::Store(response("paid")))
+            }
+        })
+        .await
+        .expect("execute");
+    assert!(
+        matches!(
+            retry,
+            Outcome::Executed {
+                saved: Saved::Stored,
+                ..
+            }
+        ),
+        "{retry:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// [`Action::ReleaseWith`] with [`EngineConfig::share_failure`] 0 is a
+/// plain release: the next duplicate runs at once.
+pub async fn engine_share_failure_zero_releases_at_once<H: Harness>(h: &H) {
+    let engine = Engine::with_config(
+        h.store(),
+        EngineConfig {
+            share_failure: Duration::ZERO,
+            ..config(Duration::from_secs(30), Action::Hold)
+        },
+    );
+    let (scope, key) = (fresh_scope(), fresh_key("share-zero"));
+    let runs = AtomicUsize::new(0);
+    for _ in 0..2 {
+        let out = engine
+            .execute(&scope, &key, fp("a"), |_| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                (
+                    (),
+                    Action::ReleaseWith(StoredResponse::new(503, Vec::new())),
+                )
+            })
+            .await
+            .expect("execute");
+        assert!(matches!(saved(&out), Saved::Released), "{out:?}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }

@@ -70,6 +70,8 @@ macro_rules! conformance_tests {
                 engine_failed_save_is_retried_until_it_lands,
                 engine_watchdog_keeps_lease_alive,
                 engine_wait_mode_replays,
+                engine_waiters_share_a_released_failure,
+                engine_share_failure_zero_releases_at_once,
             ]
             token_checks: [
                 token_issue_use_replay,

@@ -125,6 +125,21 @@ pub async fn complete_then_replay<H: Harness>(h: &H) {
         .await
         .expect("complete omitted");
     expect_replay(&store, &r3, &resp3).await;
+
+    // The answer of a released failure (`Action::ReleaseWith`) keeps its
+    // flag, so a duplicate knows it was shared, not stored.
+    let key4 = fresh_key("replay-released");
+    let r4 = req(&scope, &key4, fp("d"), 2 * SEC);
+    let lease4 = acquire(&store, &r4).await;
+    let resp4 = StoredResponse {
+        released: true,
+        ..StoredResponse::new(503, b"upstream down".to_vec())
+    };
+    store
+        .complete(&lease4, &resp4, LONG)
+        .await
+        .expect("complete released");
+    expect_replay(&store, &r4, &resp4).await;
 }
 
 /// A different fingerprint is `Mismatch` while the key is in flight and

@@ -124,6 +124,7 @@ pub fn rich_response() -> StoredResponse {
         ],
         body: Bytes::from_static(&[0x00, 0x9f, 0x92, 0x96, 0xff, 0xfe, b'{', b'}', 0x00]),
         body_omitted: false,
+        released: false,
     }
 }
 

@@ -192,6 +192,15 @@ pub struct GatewayArgs {
     #[arg(long, env = "IDEM_WAIT", value_name = "DURATION", default_value = show_duration(Options::default().wait), value_parser = parse_duration)]
     pub wait: Duration,
 
+    /// How long the answer of a released failure (a 5xx, 502
+    /// `upstream-unreachable`; a body within `--retention-limit`) is
+    /// replayed, with `Retry-After`, to duplicates of the same request —
+    /// those that waited for it and those arriving within this window —
+    /// before a retry runs again; `0` releases the key at once. Without it a
+    /// burst of duplicates runs a failing request once each.
+    #[arg(long, env = "IDEM_SHARE_FAILURE", value_name = "DURATION", default_value = show_duration(Options::default().share_failure), value_parser = parse_duration)]
+    pub share_failure: Duration,
+
     /// Most pooled connections to a PostgreSQL or MySQL store (SQLite and
     /// Redis ignore it). Several gateway instances each open this many.
     #[arg(
@@ -542,6 +551,7 @@ impl GatewayArgs {
             lease: self.lease,
             ttl: self.ttl,
             wait: self.wait,
+            share_failure: self.share_failure,
             require_token,
             // A result must outlive its token: the token TTL is capped at the TTL.
             token_ttl: self.token_ttl.min(self.ttl),

@@ -71,6 +71,7 @@ pub const RELOADABLE: &[&str] = &[
     "ttl",
     "lease",
     "wait",
+    "share_failure",
     "methods",
     "require_key",
     "max_body",

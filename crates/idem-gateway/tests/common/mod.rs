@@ -159,14 +159,20 @@ fn app(state: AppState) -> Router {
         )
         .route(
             "/status/{code}",
-            routing::post(|Path(code): Path<u16>, Hit(n, _): Hit| async move {
-                let status = StatusCode::from_u16(code).unwrap_or(StatusCode::IM_A_TEAPOT);
-                (
-                    status,
-                    [("content-type", "application/json")],
-                    format!("{{\"status\":{code},\"execution\":{n}}}"),
-                )
-            }),
+            // `?ms=`: does its work, sleeps that long, then answers.
+            routing::post(
+                |Path(code): Path<u16>, Query(q): Query<SlowQ>, Hit(n, _): Hit| async move {
+                    if let Some(ms) = q.ms {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                    }
+                    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::IM_A_TEAPOT);
+                    (
+                        status,
+                        [("content-type", "application/json")],
+                        format!("{{\"status\":{code},\"execution\":{n}}}"),
+                    )
+                },
+            ),
         )
         .route(
             "/binary",
