@@ -51,7 +51,7 @@
  *                                         answer, never a run of its own
  *
  * Broken variants (each must yield a counterexample; scripts/model.sh checks):
- *   BUG_NONATOMIC_BEGIN     begin is a read, then a separate write     -> P1
+ *   BUG_NONATOMIC_BEGIN     begin is a read, then a separate write     -> P2/P1
  *   BUG_TAKEOVER_ANY_FP     an ended claim is taken over by any fp     -> P4
  *   BUG_NO_SHARE            a retryable failure is a plain release     -> P6
  *   BUG_COMPLETE_ANY_FENCE  complete does not check the record/fence   -> P2/P5
