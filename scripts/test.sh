@@ -127,6 +127,9 @@ need_program mariadb mariadb-client
 
 start=$(date +%s)
 
+log "scripts/model.sh (the key protocol's spin model, docs/model/)"
+./scripts/model.sh || die "the key protocol's model failed (see above; docs/model/README.md)"
+
 log "cargo fmt --all -- --check"
 cargo fmt --all -- --check || die "cargo fmt --check failed (see above); where it shows differences, run 'cargo fmt --all'"
 
