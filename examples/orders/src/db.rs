@@ -30,21 +30,26 @@ macro_rules! with_conn {
 }
 
 /// Runs `$body` inside a transaction `$tx` (committed when the body returns
-/// `Ok`, rolled back otherwise).
+/// `Ok` — and, with a third argument, when that predicate accepts the
+/// answer — rolled back otherwise).
 macro_rules! with_tx {
-    (@in $pool:expr, $tx:ident => $body:expr) => {{
+    (@in $pool:expr, $tx:ident => $body:expr, $keep:expr) => {{
         let mut $tx = $pool.begin().await.map_err($crate::Error::from)?;
         let out = $body;
-        if out.is_ok() {
+        if out.as_ref().is_ok_and($keep) {
             $tx.commit().await.map_err($crate::Error::from)?;
         }
         out
     }};
-    ($db:expr, $tx:ident => $body:expr) => {
+    // Commits only an `Ok` answer that `$keep` accepts (rolled back otherwise).
+    ($db:expr, $tx:ident => $body:expr, $keep:expr) => {
         match $db {
-            $crate::db::Db::Sqlite(pool) => with_tx!(@in pool, $tx => $body),
-            $crate::db::Db::Postgres(pool) => with_tx!(@in pool, $tx => $body),
+            $crate::db::Db::Sqlite(pool) => with_tx!(@in pool, $tx => $body, $keep),
+            $crate::db::Db::Postgres(pool) => with_tx!(@in pool, $tx => $body, $keep),
         }
+    };
+    ($db:expr, $tx:ident => $body:expr) => {
+        with_tx!($db, $tx => $body, |_| true)
     };
 }
 pub(crate) use {with_conn, with_tx};
@@ -125,6 +130,11 @@ const SQLITE_SCHEMA: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS provider_fences (
         order_id INTEGER PRIMARY KEY,
         fence INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS key_fences (
+        scope TEXT NOT NULL,
+        idem_key TEXT NOT NULL,
+        fence INTEGER NOT NULL,
+        PRIMARY KEY (scope, idem_key))",
 ];
 
 const POSTGRES_SCHEMA: &[&str] = &[
@@ -150,6 +160,11 @@ const POSTGRES_SCHEMA: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS provider_fences (
         order_id BIGINT PRIMARY KEY,
         fence BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS key_fences (
+        scope TEXT NOT NULL,
+        idem_key TEXT NOT NULL,
+        fence BIGINT NOT NULL,
+        PRIMARY KEY (scope, idem_key))",
 ];
 
 /// Checks a PostgreSQL schema name (`[A-Za-z_][A-Za-z0-9_]{0,62}`).
@@ -284,6 +299,30 @@ pub enum Fenced {
         /// The fence recorded on the order.
         current: i64,
     },
+    /// A later run of the same idempotency key has written (its
+    /// `Idempotency-Fence` is higher than this run's): this run lost its
+    /// key; nothing was written.
+    StaleKey {
+        /// The highest fence recorded for the key.
+        current: i64,
+    },
+}
+
+/// The idempotency key a pay request runs under and the fence of its claim
+/// (`idem_http::Fence`, what `idem gateway` forwards as
+/// `Idempotency-Fence`), as the service records it: table `key_fences`
+/// keeps the highest fence seen per (scope, key), and a write carrying a
+/// lower one is refused (docs/PROTOCOL.md, "Fences").
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyFence {
+    /// The caller's scope as the idempotency layer derives it
+    /// (`Scope::as_str`): fences of one key in different scopes are not
+    /// comparable.
+    pub scope: String,
+    /// The `Idempotency-Key`.
+    pub key: String,
+    /// The claim's fence (a u64 that fits an `i64`).
+    pub fence: i64,
 }
 
 /// The order table's operations (layer 3).
@@ -372,7 +411,8 @@ impl Orders {
     /// = $id AND fence <= $f` records the fence (and, on PostgreSQL, locks
     /// the row), then [`StateMachine::transition_setting`] runs. A holder
     /// whose fence is lower than the one recorded gets [`Fenced::Stale`]
-    /// and writes nothing.
+    /// and writes nothing. Same as [`Self::transition_as`] without a key
+    /// fence.
     ///
     /// # Errors
     /// [`Error::Database`] / [`Error::Pattern`]; [`Error::NotFound`] when
@@ -385,31 +425,82 @@ impl Orders {
         to: &str,
         set: &[(&str, SqlValue)],
     ) -> Result<Fenced> {
+        self.transition_as(id, fence, None, from, to, set).await
+    }
+
+    /// [`Self::transition`], also guarded by the idempotency key's fence
+    /// `key` (when the request came through the idempotency layer): first in
+    /// the same transaction, `INSERT INTO key_fences … ON CONFLICT DO
+    /// UPDATE SET fence = $f WHERE key_fences.fence <= $f` raises the key's
+    /// recorded fence; when a higher one is recorded (a later run of the
+    /// same key has written: this run lost its key after an unknown
+    /// outcome) the answer is [`Fenced::StaleKey`] and nothing is written.
+    ///
+    /// # Errors
+    /// As for [`Self::transition`].
+    pub async fn transition_as(
+        &self,
+        id: i64,
+        fence: i64,
+        key: Option<&KeyFence>,
+        from: &[&str],
+        to: &str,
+        set: &[(&str, SqlValue)],
+    ) -> Result<Fenced> {
         let mut set: Vec<(&str, SqlValue)> = set.to_vec();
         set.push(("updated_at", SqlValue::from(now_ms())));
+        // Only a transition that ran is committed: a refusal writes nothing
+        // (not even the raised key fence).
         with_tx!(&self.db, tx => {
-            let claimed = sqlx::query("UPDATE orders SET fence = $1 WHERE id = $2 AND fence <= $1")
-                .bind(fence)
-                .bind(id)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if claimed == 0 {
-                let current: Option<i64> = sqlx::query_scalar("SELECT fence FROM orders WHERE id = $1")
-                    .bind(id)
-                    .fetch_optional(&mut *tx)
+            let mut stale_key = None;
+            if let Some(kf) = key {
+                let raised: Option<i64> = sqlx::query_scalar(
+                    "INSERT INTO key_fences (scope, idem_key, fence) VALUES ($1, $2, $3) \
+                     ON CONFLICT (scope, idem_key) DO UPDATE SET fence = excluded.fence \
+                     WHERE key_fences.fence <= excluded.fence RETURNING fence",
+                )
+                .bind(kf.scope.as_str())
+                .bind(kf.key.as_str())
+                .bind(kf.fence)
+                .fetch_optional(&mut *tx)
+                .await?;
+                if raised.is_none() {
+                    let current: i64 = sqlx::query_scalar(
+                        "SELECT fence FROM key_fences WHERE scope = $1 AND idem_key = $2",
+                    )
+                    .bind(kf.scope.as_str())
+                    .bind(kf.key.as_str())
+                    .fetch_one(&mut *tx)
                     .await?;
-                match current {
-                    Some(current) => Ok(Fenced::Stale { current }),
-                    None => Err(Error::NotFound(id)),
+                    stale_key = Some(current);
                 }
-            } else {
-                let t = self
-                    .machine
-                    .transition_setting(&mut *tx, id, from, to, &set)
-                    .await?;
-                Ok(Fenced::Done(t))
             }
-        })
+            if let Some(current) = stale_key {
+                Ok(Fenced::StaleKey { current })
+            } else {
+                let claimed = sqlx::query("UPDATE orders SET fence = $1 WHERE id = $2 AND fence <= $1")
+                    .bind(fence)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                if claimed == 0 {
+                    let current: Option<i64> = sqlx::query_scalar("SELECT fence FROM orders WHERE id = $1")
+                        .bind(id)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                    match current {
+                        Some(current) => Ok(Fenced::Stale { current }),
+                        None => Err(Error::NotFound(id)),
+                    }
+                } else {
+                    let t = self
+                        .machine
+                        .transition_setting(&mut *tx, id, from, to, &set)
+                        .await?;
+                    Ok(Fenced::Done(t))
+                }
+            }
+        }, |f: &Fenced| matches!(f, Fenced::Done(_)))
     }
 }

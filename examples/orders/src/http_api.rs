@@ -5,11 +5,11 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use idem_http::IdempotencyLayer;
+use axum::{Extension, Json, Router};
+use idem_http::{Fence, IdempotencyLayer};
 use serde_json::{json, Value};
 
-use crate::{App, CreateOutcome, Error, Simulate, MAX_AMOUNT_CENTS, MAX_ORDER_NO_LEN};
+use crate::{App, CreateOutcome, Error, KeyFence, Simulate, MAX_AMOUNT_CENTS, MAX_ORDER_NO_LEN};
 
 /// The prefix of this service's problem `type`s.
 pub(crate) const PROBLEM_PREFIX: &str = "urn:orders:problem:";
@@ -78,6 +78,12 @@ impl IntoResponse for Error {
                     .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
                 resp
             }
+            Error::StaleFence { .. } => problem(
+                StatusCode::CONFLICT,
+                "stale-fence",
+                "Stale Idempotency-Fence",
+                detail,
+            ),
             Error::Conflict { .. } => problem(
                 StatusCode::CONFLICT,
                 "state-conflict",
@@ -356,7 +362,12 @@ async fn charges(State(app): State<App>, Path(raw): Path<String>) -> Response {
     }
 }
 
-async fn pay(State(app): State<App>, Path(raw): Path<String>, headers: HeaderMap) -> Response {
+async fn pay(
+    State(app): State<App>,
+    Path(raw): Path<String>,
+    fence: Option<Extension<Fence>>,
+    headers: HeaderMap,
+) -> Response {
     let id = match order_id(&raw) {
         Ok(id) => id,
         Err(reject) => return reject.into_response(),
@@ -383,7 +394,24 @@ async fn pay(State(app): State<App>, Path(raw): Path<String>, headers: HeaderMap
             )
         }
     };
-    match app.pay(id, simulate).await {
+    // The layer put the fence of this run's claim in the extensions (never
+    // read a header for it: a client could send one). Outside the layer
+    // (no fence) the order's own fences still apply.
+    let key = match (fence, headers.get(idem_http::IDEMPOTENCY_KEY)) {
+        (Some(Extension(Fence(f))), Some(k)) => match (i64::try_from(f), k.to_str()) {
+            (Ok(fence), Ok(key)) => Some(KeyFence {
+                scope: app.key_scope(&headers),
+                key: key.to_owned(),
+                fence,
+            }),
+            _ => {
+                return Error::Internal(format!("fence {f} or its key is out of range"))
+                    .into_response()
+            }
+        },
+        _ => None,
+    };
+    match app.pay_as(id, key, simulate).await {
         Ok(order) => Json(order).into_response(),
         Err(e) => e.into_response(),
     }
@@ -447,6 +475,17 @@ mod tests {
             parse_create(br#"{"outer_order_no":"n","amount_cents":7,"meta":{"a":1}}"#).unwrap(),
             ("n".to_owned(), 7)
         );
+    }
+
+    #[test]
+    fn a_stale_fence_is_a_409_problem() {
+        let r = Error::StaleFence {
+            fence: 3,
+            current: 7,
+        }
+        .into_response();
+        assert_eq!(r.status(), StatusCode::CONFLICT);
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
     }
 
     #[test]

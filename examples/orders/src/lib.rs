@@ -8,7 +8,11 @@
 //!    `POST /orders/{id}/pay`, records in the same database through
 //!    [`idem_sql::SqliteStore`] / [`idem_sql::PostgresStore`]): a retried
 //!    request gets the stored answer instead of running again; concurrent
-//!    copies get 409 `in-flight`.
+//!    copies get 409 `in-flight`. The layer's [`idem_http::Fence`] (the
+//!    claim's fencing token) is recorded per (scope, key) in `key_fences`
+//!    by every write of the order, in the same transaction, and a write
+//!    with a lower one is refused ([`Error::StaleFence`], 409
+//!    `stale-fence`): a run that lost its key cannot write after a newer run.
 //! 2. **Lock with fencing** ([`idem_core::lock::Lock`] over
 //!    [`idem_sql::LeaseLockBackend`] on the same database, name
 //!    `order-{id}`): one pay attempt per order at a time, whatever the keys;
@@ -49,7 +53,7 @@ use idem_http::{IdempotencyLayer, TaskTracker};
 use idem_sql::patterns::{PatternError, SqlValue, Transition};
 use idem_sql::LeaseLockBackend;
 
-pub use db::{status, CreateOutcome, Db, Fenced, Order, Orders};
+pub use db::{status, CreateOutcome, Db, Fenced, KeyFence, Order, Orders};
 pub use provider::{provider_key, Charge, ChargeOutcome, Provider, Simulate};
 
 /// The workspace README's Rust snippets, compiled as doc tests of this crate
@@ -101,6 +105,16 @@ pub enum Error {
         /// This holder's fence.
         fence: i64,
         /// The fence already recorded.
+        current: i64,
+    },
+    /// A later run of the same idempotency key has written to the order
+    /// (its `Idempotency-Fence` is higher): this run lost its key after an
+    /// unknown outcome; nothing was written. Answered 409 `stale-fence`.
+    #[error("a later run of this idempotency key has written (fence {fence} < {current}); nothing was written")]
+    StaleFence {
+        /// This run's fence.
+        fence: i64,
+        /// The highest fence recorded for the key.
         current: i64,
     },
     /// The order is in a state the pay flow did not expect (a concurrent
@@ -259,6 +273,18 @@ impl App {
         self.inner.layer.tracker()
     }
 
+    /// The scope the idempotency layer derives for a request with
+    /// `headers` (`Scope::as_str`), under which [`KeyFence`]s are kept.
+    pub fn key_scope(&self, headers: &http::HeaderMap) -> String {
+        self.inner
+            .layer
+            .options()
+            .scope
+            .scope_of(headers)
+            .as_str()
+            .to_owned()
+    }
+
     /// The settings.
     pub fn config(&self) -> &Config {
         &self.inner.config
@@ -297,6 +323,24 @@ impl App {
     /// [`Error::OutcomeUnknown`], [`Error::Conflict`], database and lock
     /// errors.
     pub async fn pay(&self, id: i64, simulate: Simulate) -> Result<Order> {
+        self.pay_as(id, None, simulate).await
+    }
+
+    /// [`Self::pay`] for a request that runs under an idempotency key's
+    /// claim `key` (the layer's [`idem_http::Fence`]; `None` outside the
+    /// layer): every write of the order also raises the key's recorded
+    /// fence in the same transaction and is refused, with
+    /// [`Error::StaleFence`], when a higher one is recorded — a later run
+    /// of the key has written (docs/PROTOCOL.md, "Fences").
+    ///
+    /// # Errors
+    /// As for [`Self::pay`], and [`Error::StaleFence`].
+    pub async fn pay_as(
+        &self,
+        id: i64,
+        key: Option<KeyFence>,
+        simulate: Simulate,
+    ) -> Result<Order> {
         if self.inner.orders.get(id).await?.is_none() {
             return Err(Error::NotFound(id));
         }
@@ -311,7 +355,9 @@ impl App {
         };
         let fence = i64::try_from(guard.fence())
             .map_err(|_| Error::Internal(format!("fence {} out of range", guard.fence())))?;
-        let result = self.pay_with_fence(id, fence, simulate).await;
+        let result = self
+            .pay_with_fences(id, fence, key.as_ref(), simulate)
+            .await;
         if let Err(e) = guard.release().await {
             tracing::warn!(order = id, error = %e, "releasing the order lock failed; it ends at its TTL");
         }
@@ -324,20 +370,37 @@ impl App {
     /// # Errors
     /// As for [`Self::pay`] except `Busy`.
     pub async fn pay_with_fence(&self, id: i64, fence: i64, simulate: Simulate) -> Result<Order> {
+        self.pay_with_fences(id, fence, None, simulate).await
+    }
+
+    /// The pay flow for a caller that holds the order's lock with `fence`
+    /// and runs under the idempotency key claim `key` (see
+    /// [`Self::pay_as`]). Public so tests can play a stale run.
+    ///
+    /// # Errors
+    /// As for [`Self::pay_as`] except `Busy`.
+    pub async fn pay_with_fences(
+        &self,
+        id: i64,
+        fence: i64,
+        key: Option<&KeyFence>,
+        simulate: Simulate,
+    ) -> Result<Order> {
         let orders = &self.inner.orders;
         let order = orders.get(id).await?.ok_or(Error::NotFound(id))?;
         let started = match order.status.as_str() {
             status::PAID => return Ok(order),
             status::PENDING => {
                 orders
-                    .transition(id, fence, &[status::PENDING], status::PAYING, &[])
+                    .transition_as(id, fence, key, &[status::PENDING], status::PAYING, &[])
                     .await?
             }
             status::PAYMENT_FAILED => {
                 orders
-                    .transition(
+                    .transition_as(
                         id,
                         fence,
+                        key,
                         &[status::PAYMENT_FAILED],
                         status::PAYING,
                         &[("attempt", SqlValue::from(order.attempt + 1))],
@@ -347,7 +410,7 @@ impl App {
             // An attempt whose outcome is unknown: resume it (same key).
             status::PAYING => {
                 orders
-                    .transition(id, fence, &[status::PAYING], status::PAYING, &[])
+                    .transition_as(id, fence, key, &[status::PAYING], status::PAYING, &[])
                     .await?
             }
             other => {
@@ -357,18 +420,18 @@ impl App {
                 })
             }
         };
-        self.check(id, fence, started).await?;
+        self.check(id, fence, key, started).await?;
         let order = orders.get(id).await?.ok_or(Error::NotFound(id))?;
         if order.status == status::PAID {
             return Ok(order);
         }
 
-        let key = provider_key(id, order.attempt);
+        let provider_key = provider_key(id, order.attempt);
         let timeout = self.inner.config.provider_timeout;
-        let call = self
-            .inner
-            .provider
-            .charge(id, order.amount_cents, &key, fence, simulate);
+        let call =
+            self.inner
+                .provider
+                .charge(id, order.amount_cents, &provider_key, fence, simulate);
         let outcome = match tokio::time::timeout(timeout, call).await {
             Ok(outcome) => outcome?,
             Err(_) => {
@@ -384,14 +447,22 @@ impl App {
             }
             ChargeOutcome::Declined => {
                 orders
-                    .transition(id, fence, &[status::PAYING], status::PAYMENT_FAILED, &[])
+                    .transition_as(
+                        id,
+                        fence,
+                        key,
+                        &[status::PAYING],
+                        status::PAYMENT_FAILED,
+                        &[],
+                    )
                     .await?
             }
             ChargeOutcome::Charged { charge, .. } => {
                 orders
-                    .transition(
+                    .transition_as(
                         id,
                         fence,
+                        key,
                         &[status::PAYING],
                         status::PAID,
                         &[("charge_id", SqlValue::from(charge.id))],
@@ -399,13 +470,17 @@ impl App {
                     .await?
             }
         };
-        self.check(id, fence, done).await?;
+        self.check(id, fence, key, done).await?;
         orders.get(id).await?.ok_or(Error::NotFound(id))
     }
 
-    async fn check(&self, id: i64, fence: i64, t: Fenced) -> Result<()> {
+    async fn check(&self, id: i64, fence: i64, key: Option<&KeyFence>, t: Fenced) -> Result<()> {
         match t {
             Fenced::Stale { current } => Err(Error::LockLost { fence, current }),
+            Fenced::StaleKey { current } => Err(Error::StaleFence {
+                fence: key.map_or(0, |k| k.fence),
+                current,
+            }),
             Fenced::Done(Transition::Transitioned | Transition::AlreadyIn(_)) => Ok(()),
             Fenced::Done(Transition::NotFound) => Err(Error::NotFound(id)),
             Fenced::Done(Transition::Conflict(status)) => {

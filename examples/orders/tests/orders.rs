@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{fresh_key, start, Backend, Server};
 use idem_core::lock::{LockBackend, TryAcquire};
 use idem_sql::patterns::SqlValue;
-use orders::{lock_name, provider_key, status, ChargeOutcome, Fenced, Simulate};
+use orders::{lock_name, provider_key, status, ChargeOutcome, Error, Fenced, KeyFence, Simulate};
 use serde_json::Value;
 
 on_both!(
@@ -22,6 +22,8 @@ on_both!(
     sixteen_concurrent_creates_make_one_row,
     a_stale_lock_holder_cannot_write_late,
     bad_input_is_a_problem_never_a_panic,
+    a_lower_idempotency_fence_after_a_higher_one_writes_nothing,
+    the_layer_fence_is_recorded_per_key,
 );
 
 fn assert_one_charge(s: &Server, charges: &[Value], id: i64) {
@@ -478,4 +480,123 @@ async fn an_unreachable_postgres_names_the_start_command() {
         message.contains(common::PG_START) && message.contains("not reachable"),
         "{message}"
     );
+}
+
+/// docs/PROTOCOL.md "Fences": the service keeps the highest
+/// `Idempotency-Fence` per key and refuses a write with a lower one. A run
+/// of key K with fence 7 is declined (the order becomes PAYMENT_FAILED);
+/// then a run of K with fence 3 — the older run that lost its key after an
+/// unknown outcome, still going — would start attempt 2 and charge: it is
+/// refused with `StaleFence` and writes nothing (no charge, the order
+/// unchanged). A newer run (fence 9) pays, once.
+async fn a_lower_idempotency_fence_after_a_higher_one_writes_nothing(b: Backend) {
+    let s = start(b).await;
+    let id = s.new_order(700).await;
+    let key = fresh_key("fenced");
+    let scope = s.app.key_scope(&http::HeaderMap::new());
+    let run = |fence: i64| KeyFence {
+        scope: scope.clone(),
+        key: key.clone(),
+        fence,
+    };
+    let declined = s
+        .app
+        .pay_as(id, Some(run(7)), Simulate::Fail)
+        .await
+        .expect("first run");
+    assert_eq!(declined.status, status::PAYMENT_FAILED);
+    let before = s.order(id).await;
+
+    let stale = s.app.pay_as(id, Some(run(3)), Simulate::Normal).await;
+    assert!(
+        matches!(
+            stale,
+            Err(Error::StaleFence {
+                fence: 3,
+                current: 7
+            })
+        ),
+        "{stale:?}"
+    );
+    assert_eq!(s.order(id).await, before, "the stale run wrote nothing");
+    assert!(s.charges(id).await.is_empty(), "and charged nothing");
+    // Also a stale run that holds the order's lock itself (a fresh lock
+    // fence): the key's fence alone refuses it.
+    let stale = s
+        .app
+        .pay_with_fences(id, i64::MAX / 2, Some(&run(6)), Simulate::Normal)
+        .await;
+    assert!(
+        matches!(stale, Err(Error::StaleFence { current: 7, .. })),
+        "{stale:?}"
+    );
+    assert!(s.charges(id).await.is_empty());
+    let order = s.order(id).await;
+    assert_eq!(order["status"], status::PAYMENT_FAILED);
+    assert_eq!(order["attempt"], 1);
+
+    let newer = s
+        .app
+        .pay_as(id, Some(run(9)), Simulate::Normal)
+        .await
+        .expect("newer run");
+    assert_eq!(newer.status, status::PAID);
+    assert_one_charge(&s, &s.charges(id).await, id);
+    // Other keys' fences are not compared with this one's.
+    let other = KeyFence {
+        key: fresh_key("other"),
+        ..run(1)
+    };
+    let paid = s.app.pay_as(id, Some(other), Simulate::Normal).await;
+    assert!(paid.is_ok_and(|o| o.status == status::PAID));
+    assert_one_charge(&s, &s.charges(id).await, id);
+    s.finish().await;
+}
+
+/// A pay through the idempotency layer records the fence the layer put in
+/// the request's extensions under its (scope, key); a direct run of that
+/// key with a lower fence is then refused.
+async fn the_layer_fence_is_recorded_per_key(b: Backend) {
+    let s = start(b).await;
+    let id = s.new_order(300).await;
+    let key = fresh_key("layer");
+    // Declined, so a later run would write (start attempt 2).
+    let r = s.pay(id, &key, Some("fail")).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body["status"], status::PAYMENT_FAILED);
+    let scope = s.app.key_scope(&http::HeaderMap::new());
+    let sql = "SELECT fence FROM key_fences WHERE scope = $1 AND idem_key = $2";
+    let recorded: i64 = match s.app.db() {
+        orders::Db::Sqlite(pool) => sqlx::query_scalar(sql)
+            .bind(&scope)
+            .bind(&key)
+            .fetch_one(pool)
+            .await
+            .expect("key fence"),
+        orders::Db::Postgres(pool) => sqlx::query_scalar(sql)
+            .bind(&scope)
+            .bind(&key)
+            .fetch_one(pool)
+            .await
+            .expect("key fence"),
+    };
+    assert!(recorded > 0, "{recorded}");
+    let stale = s
+        .app
+        .pay_as(
+            id,
+            Some(KeyFence {
+                scope,
+                key,
+                fence: recorded - 1,
+            }),
+            Simulate::Normal,
+        )
+        .await;
+    assert!(
+        matches!(stale, Err(Error::StaleFence { current, .. }) if current == recorded),
+        "{stale:?}"
+    );
+    assert!(s.charges(id).await.is_empty());
+    s.finish().await;
 }
