@@ -1,0 +1,572 @@
+//! The checker: reads the upstream's log of executions, every client
+//! answer and the fault log of one store's run, and reports the figures
+//! and every violation.
+//!
+//! Rules (docs/RELIABILITY.md):
+//! - every execution of a key after its first is *explained* when its
+//!   fence is higher than every earlier execution's of the key AND either
+//!   the previous execution's answer reached no client as a 2xx, or a
+//!   fault touched the previous execution's gateway or its links between
+//!   the start of the previous execution and the start of this one;
+//!   otherwise it is an unexplained double execution;
+//! - every 2xx a client got carries the answer of an execution of the
+//!   same scope, key and body; all 2xx answers of a key carry the same
+//!   execution; a key acknowledged in the run still answers 2xx with that
+//!   execution in the final pass;
+//! - no final-pass answer is a 409 (in flight) — the final pass starts
+//!   after a quiet period longer than the lease plus the bounds;
+//! - every key ends with a 2xx in the final pass, and a reused key's other
+//!   body gets 422 there;
+//! - no guarded request reaches the upstream without a fence.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write as _;
+
+use sha2::{Digest, Sha256};
+
+use super::clients::{Outcome, Phase, ScopedKey, Sent};
+use super::faults::{Fault, FaultKind};
+use super::upstream::{Exec, Kind};
+
+/// The figures of one store's run.
+#[derive(Debug, Default, Clone)]
+pub struct Report {
+    pub store: String,
+    pub keys: usize,
+    pub requests: usize,
+    pub faults: BTreeMap<FaultKind, usize>,
+    /// Requests the upstream received, by kind.
+    pub upstream_calls: usize,
+    /// Executions with an effect.
+    pub executions: usize,
+    pub upstream_500: usize,
+    pub upstream_dropped: usize,
+    pub upstream_slow: usize,
+    pub stale_fence_refused: usize,
+    pub keys_multi: usize,
+    pub extra: usize,
+    pub extra_unacked: usize,
+    pub extra_fault: usize,
+    pub unexplained: usize,
+    pub acked_changed: usize,
+    pub acked_lost: usize,
+    pub stuck: usize,
+    pub unsettled: usize,
+    pub wrong_scope: usize,
+    pub wrong_fingerprint: usize,
+    pub reuse_violations: usize,
+    pub no_fence: usize,
+    pub client_2xx: usize,
+    pub client_409: usize,
+    pub client_422: usize,
+    pub client_5xx: usize,
+    pub client_timeouts: usize,
+    pub client_errors: usize,
+    pub seconds: f64,
+    /// One line per violation, with what is needed to look into it.
+    pub violations: Vec<String>,
+}
+
+impl Report {
+    /// All violations counted (must be 0).
+    pub fn violation_count(&self) -> usize {
+        self.unexplained
+            + self.acked_changed
+            + self.acked_lost
+            + self.stuck
+            + self.unsettled
+            + self.wrong_scope
+            + self.wrong_fingerprint
+            + self.reuse_violations
+            + self.no_fence
+    }
+
+    fn faults_total(&self) -> usize {
+        self.faults.values().sum()
+    }
+}
+
+/// The first 16 hex digits of the SHA-256 of `body` (as the upstream).
+pub fn body_hash(body: &str) -> String {
+    Sha256::digest(body.as_bytes())
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A 2xx body as the upstream writes it.
+struct Answer {
+    exec: u64,
+    scope: String,
+    key: String,
+    body: String,
+}
+
+fn parse(body: &str) -> Option<Answer> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    Some(Answer {
+        exec: v["exec"].as_u64()?,
+        scope: v["scope"].as_str()?.to_owned(),
+        key: v["key"].as_str()?.to_owned(),
+        body: v["body"].as_str()?.to_owned(),
+    })
+}
+
+fn describe_exec(e: &Exec) -> String {
+    format!(
+        "exec {} gw{} fence {:?} {:?} {}..{}ms",
+        e.id,
+        e.gw,
+        e.fence,
+        e.kind,
+        e.start_ms,
+        e.end_ms.map_or("?".to_owned(), |t| t.to_string())
+    )
+}
+
+fn describe_sent(s: &Sent) -> String {
+    let o = match &s.outcome {
+        Outcome::Answer {
+            status,
+            replayed,
+            problem,
+            body,
+        } => {
+            let exec = parse(body).map_or(String::new(), |a| format!(" exec {}", a.exec));
+            format!(
+                "{status}{}{}{exec}",
+                if *replayed { " replayed" } else { "" },
+                if problem.is_empty() {
+                    String::new()
+                } else {
+                    format!(" {problem}")
+                }
+            )
+        }
+        Outcome::Timeout => format!("timeout ({:?})", s.timeout),
+        Outcome::Error(e) => format!("error {e}"),
+    };
+    format!(
+        "{:?} gw{}{} {}..{}ms → {o}",
+        s.phase,
+        s.gw,
+        if s.other { " other-body" } else { "" },
+        s.sent_ms,
+        s.done_ms
+    )
+}
+
+/// Checks one store's run.
+pub fn check(
+    store: &str,
+    keys: &[ScopedKey],
+    sent: &[Sent],
+    execs: &[Exec],
+    faults: &[Fault],
+) -> Report {
+    let mut r = Report {
+        store: store.to_owned(),
+        keys: keys.len(),
+        requests: sent.len(),
+        upstream_calls: execs.len(),
+        ..Report::default()
+    };
+    for f in faults {
+        *r.faults.entry(f.kind).or_default() += 1;
+    }
+    let mut by_scoped: HashMap<(&str, &str), Vec<&Exec>> = HashMap::new();
+    for e in execs {
+        match e.kind {
+            Kind::Fail => r.upstream_500 += 1,
+            Kind::Dropped => r.upstream_dropped += 1,
+            Kind::Slow => r.upstream_slow += 1,
+            Kind::StaleFence => r.stale_fence_refused += 1,
+            Kind::NoFence => {
+                r.no_fence += 1;
+                r.violations
+                    .push(format!("{store}: no fence: {}", describe_exec(e)));
+            }
+            Kind::Ok => {}
+        }
+        if e.kind.effect() {
+            r.executions += 1;
+        }
+        by_scoped
+            .entry((e.scope.as_str(), e.key.as_str()))
+            .or_default()
+            .push(e);
+    }
+    let mut sent_by_key: HashMap<usize, Vec<&Sent>> = HashMap::new();
+    for s in sent {
+        sent_by_key.entry(s.key).or_default().push(s);
+        match &s.outcome {
+            Outcome::Answer { status, .. } => match status {
+                200..=299 => r.client_2xx += 1,
+                409 => r.client_409 += 1,
+                422 => r.client_422 += 1,
+                500..=599 => r.client_5xx += 1,
+                _ => {}
+            },
+            Outcome::Timeout => r.client_timeouts += 1,
+            Outcome::Error(_) => r.client_errors += 1,
+        }
+    }
+    let empty = Vec::new();
+    for (k, sk) in keys.iter().enumerate() {
+        let mut ex: Vec<&Exec> = by_scoped
+            .get(&(sk.scope.as_str(), sk.key.as_str()))
+            .cloned()
+            .unwrap_or_default();
+        ex.sort_by_key(|e| (e.start_ms, e.id));
+        let mut answers: Vec<&Sent> = sent_by_key.get(&k).unwrap_or(&empty).clone();
+        answers.sort_by_key(|s| (s.done_ms, s.sent_ms));
+        let main_hash = body_hash(&sk.body);
+        let other_hash = body_hash(&sk.other);
+        let context = || {
+            let mut s = String::new();
+            for e in &ex {
+                let _ = write!(s, "\n    upstream: {}", describe_exec(e));
+            }
+            for a in &answers {
+                let _ = write!(s, "\n    client:   {}", describe_sent(a));
+            }
+            s
+        };
+        let effects: Vec<&Exec> = ex.iter().copied().filter(|e| e.kind.effect()).collect();
+        // Which executions some client got as a 2xx.
+        let mut acked: HashSet<u64> = HashSet::new();
+        for a in &answers {
+            let Some(body) = a.ok_body() else { continue };
+            let Some(p) = parse(body) else {
+                r.wrong_fingerprint += 1;
+                r.violations.push(format!(
+                    "{store}: {} {}: a 2xx that is no upstream answer: {body:?}{}",
+                    sk.scope,
+                    sk.key,
+                    context()
+                ));
+                continue;
+            };
+            if p.scope != sk.scope || p.key != sk.key {
+                r.wrong_scope += 1;
+                r.violations.push(format!(
+                    "{store}: {} {}: got the answer of {} {} (exec {}){}",
+                    sk.scope,
+                    sk.key,
+                    p.scope,
+                    p.key,
+                    p.exec,
+                    context()
+                ));
+                continue;
+            }
+            let want = if a.other { &other_hash } else { &main_hash };
+            if &p.body != want || a.other {
+                r.wrong_fingerprint += 1;
+                r.violations.push(format!(
+                    "{store}: {} {}: a request with body {want} got the answer of body {} (exec {}){}",
+                    sk.scope,
+                    sk.key,
+                    p.body,
+                    p.exec,
+                    context()
+                ));
+                continue;
+            }
+            if !effects.iter().any(|e| e.id == p.exec) {
+                r.wrong_fingerprint += 1;
+                r.violations.push(format!(
+                    "{store}: {} {}: a 2xx of exec {}, not an execution of this key{}",
+                    sk.scope,
+                    sk.key,
+                    p.exec,
+                    context()
+                ));
+                continue;
+            }
+            acked.insert(p.exec);
+        }
+        // The other body never runs.
+        if ex
+            .iter()
+            .any(|e| e.kind.effect() && e.body_hash == other_hash)
+        {
+            r.reuse_violations += 1;
+            r.violations.push(format!(
+                "{store}: {} {}: the other body ran on a used key{}",
+                sk.scope,
+                sk.key,
+                context()
+            ));
+        }
+        // Executions after the first.
+        if effects.len() > 1 {
+            r.keys_multi += 1;
+        }
+        for j in 1..effects.len() {
+            r.extra += 1;
+            let (prev, cur) = (effects[j - 1], effects[j]);
+            let max_before = effects[..j].iter().filter_map(|e| e.fence).max();
+            let higher = match (cur.fence, max_before) {
+                (Some(c), Some(m)) => c > m,
+                (Some(_), None) => true,
+                _ => false,
+            };
+            let unacked = !acked.contains(&prev.id);
+            let touched: Vec<&Fault> = faults
+                .iter()
+                .filter(|f| f.touches(prev.gw, prev.start_ms, cur.start_ms))
+                .collect();
+            if higher && unacked {
+                r.extra_unacked += 1;
+            } else if higher && !touched.is_empty() {
+                r.extra_fault += 1;
+            } else {
+                r.unexplained += 1;
+                r.violations.push(format!(
+                    "{store}: {} {}: unexplained execution {} (fence {:?}) after {} (fence {:?}, {}; faults touching it: {}){}",
+                    sk.scope,
+                    sk.key,
+                    cur.id,
+                    cur.fence,
+                    prev.id,
+                    prev.fence,
+                    if unacked { "not acknowledged" } else { "acknowledged" },
+                    touched.len(),
+                    context()
+                ));
+            }
+        }
+        // One acknowledged answer per key, kept to the end.
+        let main_ok: Vec<(&Sent, u64)> = answers
+            .iter()
+            .filter(|a| !a.other)
+            .filter_map(|a| Some((*a, parse(a.ok_body()?)?.exec)))
+            .collect();
+        let distinct: HashSet<u64> = main_ok.iter().map(|(_, e)| *e).collect();
+        if distinct.len() > 1 {
+            r.acked_changed += 1;
+            let first = main_ok[0].1;
+            let touched: Vec<String> = effects
+                .iter()
+                .find(|e| e.id == first)
+                .map(|e| {
+                    faults
+                        .iter()
+                        .filter(|f| f.touches(e.gw, e.start_ms, u64::MAX))
+                        .take(5)
+                        .map(|f| {
+                            format!(
+                                "{} gw{:?} {}..{}ms {}",
+                                f.kind.name(),
+                                f.gw,
+                                f.start_ms,
+                                f.end_ms,
+                                f.detail
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            r.violations.push(format!(
+                "{store}: {} {}: 2xx answers of different executions {distinct:?} (faults on the first's gateway after it: {touched:?}){}",
+                sk.scope,
+                sk.key,
+                context()
+            ));
+        }
+        let run_acked = main_ok.iter().any(|(a, _)| a.phase == Phase::Run);
+        let finals: Vec<&Sent> = answers
+            .iter()
+            .copied()
+            .filter(|a| a.phase == Phase::Final && !a.other)
+            .collect();
+        let final_ok = finals.iter().any(|a| a.ok_body().is_some());
+        let stuck = finals.iter().any(|a| {
+            matches!(&a.outcome, Outcome::Answer { status: 409, problem, .. }
+                if problem == "urn:idem:problem:in-flight")
+        });
+        if stuck {
+            r.stuck += 1;
+            r.violations.push(format!(
+                "{store}: {} {}: in flight after the quiet period{}",
+                sk.scope,
+                sk.key,
+                context()
+            ));
+        } else if run_acked && !final_ok {
+            r.acked_lost += 1;
+            r.violations.push(format!(
+                "{store}: {} {}: acknowledged in the run, no 2xx in the final pass{}",
+                sk.scope,
+                sk.key,
+                context()
+            ));
+        } else if !final_ok {
+            r.unsettled += 1;
+            r.violations.push(format!(
+                "{store}: {} {}: no 2xx in the final pass{}",
+                sk.scope,
+                sk.key,
+                context()
+            ));
+        }
+        if sk.reuse {
+            let bad = answers.iter().any(|a| {
+                a.other
+                    && a.phase == Phase::Final
+                    && !matches!(&a.outcome, Outcome::Answer { status: 422, .. })
+            });
+            if bad {
+                r.reuse_violations += 1;
+                r.violations.push(format!(
+                    "{store}: {} {}: the other body did not get 422 in the final pass{}",
+                    sk.scope,
+                    sk.key,
+                    context()
+                ));
+            }
+        }
+    }
+    r
+}
+
+/// The figures of every store as markdown tables (figures, then faults by
+/// kind).
+pub fn table(reports: &[Report]) -> String {
+    let mut s = String::new();
+    let rows: [(&str, fn(&Report) -> String); 22] = [
+        ("keys (scoped)", |r| r.keys.to_string()),
+        ("client requests", |r| r.requests.to_string()),
+        ("client answers 2xx / 409 / 422 / 5xx", |r| {
+            format!(
+                "{} / {} / {} / {}",
+                r.client_2xx, r.client_409, r.client_422, r.client_5xx
+            )
+        }),
+        ("client timeouts / errors", |r| {
+            format!("{} / {}", r.client_timeouts, r.client_errors)
+        }),
+        ("faults injected", |r| r.faults_total().to_string()),
+        ("upstream calls", |r| r.upstream_calls.to_string()),
+        ("executions (with effect)", |r| r.executions.to_string()),
+        ("upstream 500 (no effect) / dropped / slow", |r| {
+            format!(
+                "{} / {} / {}",
+                r.upstream_500, r.upstream_dropped, r.upstream_slow
+            )
+        }),
+        ("stale-fence writes refused by the upstream", |r| {
+            r.stale_fence_refused.to_string()
+        }),
+        ("keys executed more than once", |r| r.keys_multi.to_string()),
+        ("extra executions", |r| r.extra.to_string()),
+        ("  explained: earlier answer not acknowledged", |r| {
+            r.extra_unacked.to_string()
+        }),
+        ("  explained: fault on the earlier execution", |r| {
+            r.extra_fault.to_string()
+        }),
+        ("**unexplained double executions**", |r| {
+            r.unexplained.to_string()
+        }),
+        ("**acknowledged 2xx replayed differently**", |r| {
+            r.acked_changed.to_string()
+        }),
+        ("**acknowledged 2xx lost**", |r| r.acked_lost.to_string()),
+        ("**keys in flight after lease + bound**", |r| {
+            r.stuck.to_string()
+        }),
+        ("**keys without a 2xx in the final pass**", |r| {
+            r.unsettled.to_string()
+        }),
+        ("**wrong-scope replays**", |r| r.wrong_scope.to_string()),
+        ("**wrong-fingerprint replays**", |r| {
+            r.wrong_fingerprint.to_string()
+        }),
+        ("**key reuse not refused (422)**", |r| {
+            r.reuse_violations.to_string()
+        }),
+        ("**requests without a fence**", |r| r.no_fence.to_string()),
+    ];
+    let _ = write!(s, "| |");
+    for r in reports {
+        let _ = write!(s, " {} |", r.store);
+    }
+    let _ = write!(s, " all |\n|---|");
+    for _ in 0..=reports.len() {
+        s.push_str("---:|");
+    }
+    s.push('\n');
+    let all = sum(reports);
+    for (name, f) in rows {
+        let _ = write!(s, "| {name} |");
+        for r in reports.iter().chain(std::iter::once(&all)) {
+            let _ = write!(s, " {} |", f(r));
+        }
+        s.push('\n');
+    }
+    let _ = write!(s, "| run time (s) |");
+    for r in reports {
+        let _ = write!(s, " {:.0} |", r.seconds);
+    }
+    s.push_str(" |\n\n| fault | ");
+    for r in reports {
+        let _ = write!(s, " {} |", r.store);
+    }
+    s.push_str(" all |\n|---|");
+    for _ in 0..=reports.len() {
+        s.push_str("---:|");
+    }
+    s.push('\n');
+    for k in FaultKind::ALL {
+        let _ = write!(s, "| {} |", k.name());
+        for r in reports.iter().chain(std::iter::once(&all)) {
+            let _ = write!(s, " {} |", r.faults.get(&k).copied().unwrap_or(0));
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// The figures of all stores added up.
+fn sum(reports: &[Report]) -> Report {
+    let mut a = Report {
+        store: "all".into(),
+        ..Report::default()
+    };
+    for r in reports {
+        a.keys += r.keys;
+        a.requests += r.requests;
+        for (k, v) in &r.faults {
+            *a.faults.entry(*k).or_default() += v;
+        }
+        a.upstream_calls += r.upstream_calls;
+        a.executions += r.executions;
+        a.upstream_500 += r.upstream_500;
+        a.upstream_dropped += r.upstream_dropped;
+        a.upstream_slow += r.upstream_slow;
+        a.stale_fence_refused += r.stale_fence_refused;
+        a.keys_multi += r.keys_multi;
+        a.extra += r.extra;
+        a.extra_unacked += r.extra_unacked;
+        a.extra_fault += r.extra_fault;
+        a.unexplained += r.unexplained;
+        a.acked_changed += r.acked_changed;
+        a.acked_lost += r.acked_lost;
+        a.stuck += r.stuck;
+        a.unsettled += r.unsettled;
+        a.wrong_scope += r.wrong_scope;
+        a.wrong_fingerprint += r.wrong_fingerprint;
+        a.reuse_violations += r.reuse_violations;
+        a.no_fence += r.no_fence;
+        a.client_2xx += r.client_2xx;
+        a.client_409 += r.client_409;
+        a.client_422 += r.client_422;
+        a.client_5xx += r.client_5xx;
+        a.client_timeouts += r.client_timeouts;
+        a.client_errors += r.client_errors;
+    }
+    a
+}
