@@ -143,6 +143,11 @@ async fn exactly_once_under_faults() {
             .unwrap();
         }
     }
+    for r in &reports {
+        for v in &r.superseded {
+            println!("EXPLAINED {v}\n");
+        }
+    }
     let violations: usize = reports.iter().map(checker::Report::violation_count).sum();
     if violations > 0 {
         for r in &reports {

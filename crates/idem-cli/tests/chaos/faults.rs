@@ -234,7 +234,16 @@ async fn apply(t: &Targets, kind: FaultKind, gw: Option<usize>) -> String {
         }
         FaultKind::StoreBlackhole | FaultKind::UpstreamBlackhole => {
             let link = link(t, kind, i);
-            let span = ms_range(300, 3500);
+            // A third of the upstream blackholes outlast the upstream
+            // timeout and the lease: the held request arrives after the
+            // key was taken over (a stale fence).
+            let long =
+                kind == FaultKind::UpstreamBlackhole && rand::thread_rng().gen_bool(1.0 / 3.0);
+            let span = if long {
+                ms_range(5000, 8000)
+            } else {
+                ms_range(300, 3500)
+            };
             link.set(Mode::Blackhole);
             tokio::time::sleep(span).await;
             link.set(Mode::Pass);

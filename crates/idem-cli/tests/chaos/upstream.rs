@@ -56,7 +56,8 @@ impl Kind {
 /// One request the upstream received.
 #[derive(Debug, Clone)]
 pub struct Exec {
-    /// Unique over the run (also in the answer's body).
+    /// Unique over the run (also in the answer's body), drawn at the
+    /// fence check: ids are in the order the upstream applied the writes.
     pub id: u64,
     /// The `Authorization` value (the scope).
     pub scope: String,
@@ -66,7 +67,8 @@ pub struct Exec {
     pub body_hash: String,
     /// Index of the gateway whose link it came through.
     pub gw: usize,
-    /// Milliseconds since the run's epoch.
+    /// When the request's head arrived, in milliseconds since the run's
+    /// epoch.
     pub start_ms: u64,
     /// When the handler finished (`None`: it was dropped, e.g. the
     /// gateway closed the connection).
@@ -165,6 +167,10 @@ async fn serve_conn(stream: tokio::net::TcpStream, gw: usize, state: Arc<State>)
     let service = hyper::service::service_fn(move |req| handle(req, gw, state.clone(), k.clone()));
     let conn = hyper::server::conn::http1::Builder::new()
         .keep_alive(true)
+        // A request whose bytes a blackhole held arrives after the gateway
+        // gave up and closed its side: it is still served, as a service
+        // that read it would (the late write the fence must refuse).
+        .half_close(true)
         .serve_connection(TokioIo::new(stream), service);
     tokio::select! {
         _ = conn => {}
