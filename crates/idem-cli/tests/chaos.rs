@@ -14,7 +14,8 @@
 //! folders), never the shared ones. The default run is short (≤ 3 min);
 //! `IDEM_CHAOS_LONG=1` (scripts/chaos.sh) runs ≥ 10,000 keys and
 //! `IDEM_CHAOS_REPORT=FILE` writes the figures there as markdown.
-//! `IDEM_CHAOS_STORES=postgres,redis` runs only those stores.
+//! `IDEM_CHAOS_STORES=postgres,redis` runs only those stores;
+//! `IDEM_CHAOS_KEEP=1` keeps the gateways' logs and the fault logs.
 
 mod support;
 
@@ -104,7 +105,12 @@ async fn exactly_once_under_faults() {
     let started = Instant::now();
     let size = size();
     let prefix = support::unique("chaos");
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("idem-chaos-")
+        .tempdir()
+        .unwrap();
+    // IDEM_CHAOS_KEEP=1 keeps the gateways' logs and the fault logs.
+    let keep = std::env::var("IDEM_CHAOS_KEEP").is_ok_and(|v| v == "1");
     let mut runs = tokio::task::JoinSet::new();
     for (i, kind) in stores().into_iter().enumerate() {
         let (prefix, dir) = (prefix.clone(), dir.path().to_owned());
@@ -123,6 +129,9 @@ async fn exactly_once_under_faults() {
         }
     }
     reports.sort_by_key(|r| r.store.clone());
+    if keep {
+        println!("logs kept in {}", dir.keep().display());
+    }
     let table = checker::table(&reports);
     println!(
         "\n{table}\nwall time: {:.0} s",

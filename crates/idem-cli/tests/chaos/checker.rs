@@ -374,19 +374,23 @@ pub fn check(
             let save_fault = pos.and_then(|p| {
                 let (e, next) = (effects[p], effects.get(p + 1)?);
                 let higher = matches!((e.fence, next.fence), (Some(a), Some(b)) if b > a);
-                let f = faults.iter().find(|f| {
-                    SAVE_FAULTS.contains(&f.kind) && f.touches(e.gw, e.start_ms, next.start_ms)
-                })?;
-                higher.then(|| {
-                    format!(
-                        "{} gw{:?} {}..{}ms {}",
-                        f.kind.name(),
-                        f.gw,
-                        f.start_ms,
-                        f.end_ms,
-                        f.detail
-                    )
-                })
+                let touching: Vec<String> = faults
+                    .iter()
+                    .filter(|f| {
+                        SAVE_FAULTS.contains(&f.kind) && f.touches(e.gw, e.start_ms, next.start_ms)
+                    })
+                    .map(|f| {
+                        format!(
+                            "{} gw{:?} {}..{}ms {}",
+                            f.kind.name(),
+                            f.gw,
+                            f.start_ms,
+                            f.end_ms,
+                            f.detail
+                        )
+                    })
+                    .collect();
+                (higher && !touching.is_empty()).then(|| touching.join("; "))
             });
             match save_fault {
                 Some(f) => {
@@ -447,11 +451,14 @@ pub fn check(
             ));
         }
         if sk.reuse {
-            let bad = answers.iter().any(|a| {
-                a.other
-                    && a.phase == Phase::Final
-                    && !matches!(&a.outcome, Outcome::Answer { status: 422, .. })
-            });
+            // The last final-pass answer to the other body (earlier ones
+            // may be 5xx or timeouts, as for the key's own body).
+            let last = answers
+                .iter()
+                .filter(|a| a.other && a.phase == Phase::Final)
+                .max_by_key(|a| a.sent_ms);
+            let bad =
+                !last.is_some_and(|a| matches!(&a.outcome, Outcome::Answer { status: 422, .. }));
             if bad {
                 r.reuse_violations += 1;
                 r.violations.push(format!(

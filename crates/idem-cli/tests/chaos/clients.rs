@@ -290,8 +290,16 @@ impl Clients {
             }
         }
         if self.keys[k].reuse {
-            self.send(k, true, k % n, Duration::from_secs(10), Phase::Final)
-                .await;
+            for attempt in 0..5 {
+                let gw = (k + attempt) % n;
+                match self
+                    .send(k, true, gw, Duration::from_secs(10), Phase::Final)
+                    .await
+                {
+                    Outcome::Answer { status, .. } if status < 500 => break,
+                    _ => tokio::time::sleep(Duration::from_millis(500)).await,
+                }
+            }
         }
     }
 }

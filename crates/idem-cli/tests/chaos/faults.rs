@@ -97,7 +97,9 @@ pub struct Fault {
 
 impl Fault {
     /// Whether the fault touched gateway `gw` at some time in `[from, to]`.
+    /// (The bounds may come in either order.)
     pub fn touches(&self, gw: usize, from: u64, to: u64) -> bool {
+        let (from, to) = (from.min(to), from.max(to));
         self.gw.is_none_or(|g| g == gw) && self.start_ms <= to && self.end_ms >= from
     }
 }

@@ -196,19 +196,21 @@ pub async fn run_store(kind: StoreKind, size: Size, prefix: &str, dir: &Path) ->
     let sent = std::mem::take(&mut *clients.sent.lock().unwrap());
     let mut report = check(kind.name(), &clients.keys, &sent, &upstream.log(), &faults);
     report.seconds = started.elapsed().as_secs_f64();
+    // The fault log, kept beside the gateways' logs.
+    let mut s = format!("{}: fault log:", kind.name());
+    for f in &faults {
+        s.push_str(&format!(
+            "\n  {:>7}..{:>7}ms {:<18} gw{:?} {}",
+            f.start_ms,
+            f.end_ms,
+            f.kind.name(),
+            f.gw,
+            f.detail
+        ));
+    }
+    let _ = std::fs::write(dir.join(format!("{}-faults.txt", kind.name())), &s);
     if report.violation_count() > 0 {
         // The fault log and the gateways' last lines, for the report.
-        let mut s = format!("{}: fault log:", kind.name());
-        for f in &faults {
-            s.push_str(&format!(
-                "\n  {:>7}..{:>7}ms {:<18} gw{:?} {}",
-                f.start_ms,
-                f.end_ms,
-                f.kind.name(),
-                f.gw,
-                f.detail
-            ));
-        }
         for g in &gateways {
             let g = g.lock().await;
             s.push_str(&format!(
