@@ -364,54 +364,79 @@ pub fn check(
             .filter_map(|a| Some((*a, parse(a.ok_body()?)?.exec)))
             .collect();
         let distinct: HashSet<u64> = main_ok.iter().map(|(_, e)| *e).collect();
-        if distinct.len() > 1 {
-            // The documented class: the first acknowledged execution's
-            // result was not stored (its gateway lost the store, or died,
-            // before the save landed), the key was taken over after the
-            // lease and run again with a higher fence.
-            let first = main_ok[0].1;
-            let pos = effects.iter().position(|e| e.id == first);
-            let save_fault = pos.and_then(|p| {
-                let (e, next) = (effects[p], effects.get(p + 1)?);
-                let higher = matches!((e.fence, next.fence), (Some(a), Some(b)) if b > a);
-                let touching: Vec<String> = faults
-                    .iter()
-                    .filter(|f| {
-                        SAVE_FAULTS.contains(&f.kind) && f.touches(e.gw, e.start_ms, next.start_ms)
-                    })
-                    .map(|f| {
-                        format!(
-                            "{} gw{:?} {}..{}ms {}",
-                            f.kind.name(),
-                            f.gw,
-                            f.start_ms,
-                            f.end_ms,
-                            f.detail
-                        )
-                    })
-                    .collect();
-                (higher && !touching.is_empty()).then(|| touching.join("; "))
-            });
-            match save_fault {
-                Some(f) => {
-                    r.acked_superseded += 1;
-                    r.superseded.push(format!(
-                        "{store}: {} {}: acknowledged exec {first} superseded after {f}{}",
-                        sk.scope,
-                        sk.key,
-                        context()
-                    ));
+        // A replay comes from the stored record, and a stored record is
+        // never taken over: it carries the key's last execution.
+        let last = effects.last().map(|e| e.id);
+        let stale_replays: Vec<u64> = answers
+            .iter()
+            .filter(|a| !a.other && matches!(a.outcome, Outcome::Answer { replayed: true, .. }))
+            .filter_map(|a| parse(a.ok_body()?).map(|p| p.exec))
+            .filter(|e| Some(*e) != last)
+            .collect();
+        if distinct.len() > 1 || !stale_replays.is_empty() {
+            // The documented class: an acknowledged execution's result was
+            // not stored (its gateway lost the store, or died, before the
+            // save landed), the key was taken over after the lease and run
+            // again with a higher fence. Each acknowledged execution but
+            // the last must be explained so.
+            let mut acked_execs: Vec<u64> = distinct.iter().copied().collect();
+            acked_execs.sort_unstable();
+            acked_execs.pop();
+            let mut why = Vec::new();
+            let mut all_explained = stale_replays.is_empty();
+            for first in acked_execs {
+                let pos = effects.iter().position(|e| e.id == first);
+                let save_fault = pos.and_then(|p| {
+                    let (e, next) = (effects[p], effects.get(p + 1)?);
+                    let higher = matches!((e.fence, next.fence), (Some(a), Some(b)) if b > a);
+                    let touching: Vec<String> = faults
+                        .iter()
+                        .filter(|f| {
+                            SAVE_FAULTS.contains(&f.kind)
+                                && f.touches(e.gw, e.start_ms, next.start_ms)
+                        })
+                        .map(|f| {
+                            format!(
+                                "{} gw{:?} {}..{}ms {}",
+                                f.kind.name(),
+                                f.gw,
+                                f.start_ms,
+                                f.end_ms,
+                                f.detail
+                            )
+                        })
+                        .collect();
+                    (higher && !touching.is_empty()).then(|| touching.join("; "))
+                });
+                match save_fault {
+                    Some(f) => why.push(format!("exec {first} superseded after {f}")),
+                    None => {
+                        all_explained = false;
+                        why.push(format!(
+                            "exec {first} superseded with no store or gateway fault on its gateway \
+                             before the next run"
+                        ));
+                    }
                 }
-                None => {
-                    r.acked_changed += 1;
-                    r.violations.push(format!(
-                        "{store}: {} {}: 2xx answers of different executions {distinct:?} \
-                         (no store fault or gateway fault on the first's gateway before the next run){}",
-                        sk.scope,
-                        sk.key,
-                        context()
-                    ));
-                }
+            }
+            if !stale_replays.is_empty() {
+                why.push(format!(
+                    "replays of superseded executions {stale_replays:?}"
+                ));
+            }
+            let line = format!(
+                "{store}: {} {}: 2xx answers of executions {distinct:?}: {}{}",
+                sk.scope,
+                sk.key,
+                why.join("; "),
+                context()
+            );
+            if all_explained {
+                r.acked_superseded += 1;
+                r.superseded.push(line);
+            } else {
+                r.acked_changed += 1;
+                r.violations.push(line);
             }
         }
         let run_acked = main_ok.iter().any(|(a, _)| a.phase == Phase::Run);
