@@ -105,15 +105,22 @@ async fn exactly_once_under_faults() {
     let started = Instant::now();
     let size = size();
     let prefix = support::unique("chaos");
-    let dir = tempfile::Builder::new()
+    let tmp = tempfile::Builder::new()
         .prefix("idem-chaos-")
         .tempdir()
         .unwrap();
     // IDEM_CHAOS_KEEP=1 keeps the gateways' logs and the fault logs.
-    let keep = std::env::var("IDEM_CHAOS_KEEP").is_ok_and(|v| v == "1");
+    let (_tmp, dir_path) = if std::env::var("IDEM_CHAOS_KEEP").is_ok_and(|v| v == "1") {
+        let path = tmp.keep();
+        println!("logs kept in {}", path.display());
+        (None, path)
+    } else {
+        let path = tmp.path().to_owned();
+        (Some(tmp), path)
+    };
     let mut runs = tokio::task::JoinSet::new();
     for (i, kind) in stores().into_iter().enumerate() {
-        let (prefix, dir) = (prefix.clone(), dir.path().to_owned());
+        let (prefix, dir) = (prefix.clone(), dir_path.clone());
         runs.spawn(async move {
             // Servers start one after another: the CPU is shared.
             tokio::time::sleep(Duration::from_millis(300 * i as u64)).await;
@@ -129,9 +136,6 @@ async fn exactly_once_under_faults() {
         }
     }
     reports.sort_by_key(|r| r.store.clone());
-    if keep {
-        println!("logs kept in {}", dir.keep().display());
-    }
     let table = checker::table(&reports);
     println!(
         "\n{table}\nwall time: {:.0} s",

@@ -140,7 +140,14 @@ pub async fn inject(targets: Arc<Targets>, rates: Rates, stop: Arc<AtomicBool>) 
             )
         };
         tokio::time::sleep(Duration::from_millis(gap)).await;
-        while running.try_join_next().is_some() {}
+        while let Some(done) = running.try_join_next() {
+            // A fault that could not be healed ends the run.
+            if let Err(e) = done {
+                if e.is_panic() {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
+        }
         if running.len() >= rates.at_once || stop.load(Ordering::SeqCst) {
             continue;
         }
@@ -164,20 +171,37 @@ pub async fn inject(targets: Arc<Targets>, rates: Rates, stop: Arc<AtomicBool>) 
         }
         let (targets, log, busy) = (targets.clone(), log.clone(), busy.clone());
         running.spawn(async move {
+            // Logged before it is applied, as lasting to the end of the
+            // run: a fault whose healing fails still explains what follows.
             let start_ms = targets.epoch.elapsed().as_millis() as u64;
+            let idx = {
+                let mut log = log.lock().unwrap();
+                log.push(Fault {
+                    kind,
+                    gw: target,
+                    start_ms,
+                    end_ms: u64::MAX,
+                    detail: "not healed".into(),
+                });
+                log.len() - 1
+            };
             let detail = apply(&targets, kind, target).await;
             let end_ms = targets.epoch.elapsed().as_millis() as u64;
-            log.lock().unwrap().push(Fault {
-                kind,
-                gw: target,
-                start_ms,
-                end_ms,
-                detail,
-            });
+            {
+                let mut log = log.lock().unwrap();
+                log[idx].end_ms = end_ms;
+                log[idx].detail = detail;
+            }
             busy.lock().unwrap().remove(&target);
         });
     }
-    while running.join_next().await.is_some() {}
+    while let Some(done) = running.join_next().await {
+        if let Err(e) = done {
+            if e.is_panic() {
+                std::panic::resume_unwind(e.into_panic());
+            }
+        }
+    }
     let mut v = std::mem::take(&mut *log.lock().unwrap());
     v.sort_by_key(|f| f.start_ms);
     v
@@ -196,13 +220,13 @@ async fn apply(t: &Targets, kind: FaultKind, gw: Option<usize>) -> String {
             let mut g = t.gateways[i].lock().await;
             g.kill9();
             tokio::time::sleep(down).await;
-            g.start(Duration::from_secs(60)).await;
+            g.restart(Duration::from_secs(300)).await;
             format!("down {down:?} before the restart")
         }
         FaultKind::GatewayPause => {
-            // A third of the pauses are longer than the 2 s lease.
+            // A third of the pauses are longer than the 3 s lease.
             let pause = if rand::thread_rng().gen_bool(1.0 / 3.0) {
-                ms_range(2500, 4000)
+                ms_range(3500, 5000)
             } else {
                 ms_range(200, 1500)
             };
@@ -242,7 +266,7 @@ async fn apply(t: &Targets, kind: FaultKind, gw: Option<usize>) -> String {
             let long =
                 kind == FaultKind::UpstreamBlackhole && rand::thread_rng().gen_bool(1.0 / 3.0);
             let span = if long {
-                ms_range(5000, 8000)
+                ms_range(6000, 9000)
             } else {
                 ms_range(300, 3500)
             };
