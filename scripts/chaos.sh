@@ -11,7 +11,8 @@
 # package postgresql), MariaDB (mariadb-server, mariadb-client),
 # redis-server, util-linux (setpriv); run as root (PostgreSQL runs as the
 # OS user postgres). Environment: IDEM_CHAOS_STORES=postgres,redis to run
-# only some stores; CARGO_TARGET_DIR as for cargo.
+# only some stores; IDEM_CHAOS_SEQUENTIAL=0 to run the four stores at
+# once (default: one after another); CARGO_TARGET_DIR as for cargo.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 report=${1:-${CARGO_TARGET_DIR:-.}/chaos-report.md}
@@ -21,6 +22,6 @@ for p in redis-server mariadbd mariadb-install-db mariadb setpriv; do
 done
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
   || { echo "scripts/chaos.sh: PostgreSQL's initdb is missing: apt-get install -y postgresql" >&2; exit 1; }
-IDEM_CHAOS_LONG=1 IDEM_CHAOS_REPORT="$report" \
+IDEM_CHAOS_LONG=1 IDEM_CHAOS_SEQUENTIAL=${IDEM_CHAOS_SEQUENTIAL:-1} IDEM_CHAOS_REPORT="$report" \
   cargo test -p idem-cli --test chaos -- --nocapture
 echo "figures: $report"

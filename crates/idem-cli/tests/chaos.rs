@@ -15,7 +15,8 @@
 //! `IDEM_CHAOS_LONG=1` (scripts/chaos.sh) runs ≥ 10,000 keys and
 //! `IDEM_CHAOS_REPORT=FILE` writes the figures there as markdown.
 //! `IDEM_CHAOS_STORES=postgres,redis` runs only those stores;
-//! `IDEM_CHAOS_KEEP=1` keeps the gateways' logs and the fault logs.
+//! `IDEM_CHAOS_KEEP=1` keeps the gateways' logs and the fault logs;
+//! `IDEM_CHAOS_SEQUENTIAL=1` runs the stores one after another.
 
 mod support;
 
@@ -77,7 +78,7 @@ fn size() -> Size {
     if long {
         Size {
             keys: 2600,
-            spread: Duration::from_secs(300),
+            spread: Duration::from_secs(240),
             workers: 48,
             rates: Rates {
                 gap_ms: (300, 1200),
@@ -97,7 +98,21 @@ fn size() -> Size {
     }
 }
 
-/// Every store's run at once; the figures as a table; any violation
+/// Waits for every run in `runs`; a run that panicked fails the test.
+async fn join_all(
+    runs: &mut tokio::task::JoinSet<checker::Report>,
+    reports: &mut Vec<checker::Report>,
+) {
+    while let Some(r) = runs.join_next().await {
+        match r {
+            Ok(r) => reports.push(r),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Every store's run at once (or one after another); the figures as a table; any violation
 /// fails the test, printed with the key's executions, answers and the
 /// fault log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -118,6 +133,10 @@ async fn exactly_once_under_faults() {
         let path = tmp.path().to_owned();
         (Some(tmp), path)
     };
+    // IDEM_CHAOS_SEQUENTIAL=1 runs one store after another (less load on a
+    // small machine; the long run does so).
+    let sequential = std::env::var("IDEM_CHAOS_SEQUENTIAL").is_ok_and(|v| v == "1");
+    let mut reports = Vec::new();
     let mut runs = tokio::task::JoinSet::new();
     for (i, kind) in stores().into_iter().enumerate() {
         let (prefix, dir) = (prefix.clone(), dir_path.clone());
@@ -126,15 +145,11 @@ async fn exactly_once_under_faults() {
             tokio::time::sleep(Duration::from_millis(300 * i as u64)).await;
             harness::run_store(kind, size, &prefix, &dir).await
         });
-    }
-    let mut reports = Vec::new();
-    while let Some(r) = runs.join_next().await {
-        match r {
-            Ok(r) => reports.push(r),
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(e) => panic!("{e}"),
+        if sequential {
+            join_all(&mut runs, &mut reports).await;
         }
     }
+    join_all(&mut runs, &mut reports).await;
     reports.sort_by_key(|r| r.store.clone());
     let table = checker::table(&reports);
     println!(

@@ -11,8 +11,11 @@
 //!   otherwise it is an unexplained double execution;
 //! - every 2xx a client got carries the answer of an execution of the
 //!   same scope, key and body; all 2xx answers of a key carry the same
-//!   execution; a key acknowledged in the run still answers 2xx with that
-//!   execution in the final pass;
+//!   execution and every replay the key's last one — except when an
+//!   acknowledged execution's result was never stored because a store or
+//!   gateway fault hit its gateway before the next run, which then has a
+//!   higher fence (counted as *superseded*, reported, not a violation);
+//!   a key acknowledged in the run still answers 2xx in the final pass;
 //! - no final-pass answer is a 409 (in flight) — the final pass starts
 //!   after a quiet period longer than the lease plus the bounds;
 //! - every key ends with a 2xx in the final pass, and a reused key's other
