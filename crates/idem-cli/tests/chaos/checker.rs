@@ -122,6 +122,7 @@ struct Answer {
     body: String,
 }
 
+/// Reads a 2xx body of the upstream.
 fn parse(body: &str) -> Option<Answer> {
     let v: serde_json::Value = serde_json::from_str(body).ok()?;
     Some(Answer {
@@ -132,6 +133,7 @@ fn parse(body: &str) -> Option<Answer> {
     })
 }
 
+/// One execution, for a violation's context.
 fn describe_exec(e: &Exec) -> String {
     format!(
         "exec {} gw{} fence {:?} {:?} {}..{}ms",
@@ -144,6 +146,7 @@ fn describe_exec(e: &Exec) -> String {
     )
 }
 
+/// One request and its outcome, for a violation's context.
 fn describe_sent(s: &Sent) -> String {
     let o = match &s.outcome {
         Outcome::Answer {
@@ -449,9 +452,18 @@ pub fn check(
             .filter(|a| a.phase == Phase::Final && !a.other)
             .collect();
         let final_ok = finals.iter().any(|a| a.ok_body().is_some());
-        let stuck = finals.iter().any(|a| {
-            matches!(&a.outcome, Outcome::Answer { status: 409, problem, .. }
-                if problem == "urn:idem:problem:in-flight")
+        // A 409 is a stuck key unless an earlier final-pass attempt of the
+        // key failed without an answer from the upstream (a 5xx, a timeout,
+        // an error): a begin cut off by the store timeout may land late and
+        // hold the key until the gateway releases it — that claim is the
+        // final pass's own, not one left from the run.
+        let stuck = finals.iter().enumerate().any(|(i, a)| {
+            let in_flight = matches!(&a.outcome, Outcome::Answer { status: 409, problem, .. }
+                if problem == "urn:idem:problem:in-flight");
+            let own_claim_possible = finals[..i]
+                .iter()
+                .any(|b| !matches!(&b.outcome, Outcome::Answer { status, .. } if *status < 500));
+            in_flight && !own_claim_possible
         });
         if stuck {
             r.stuck += 1;

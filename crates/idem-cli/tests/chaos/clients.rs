@@ -121,6 +121,7 @@ pub fn make_keys(prefix: &str, n: usize, reuse_share: f64) -> Vec<ScopedKey> {
 }
 
 impl Clients {
+    /// Clients of `gateways` for `keys`, timing from `epoch`.
     pub fn new(gateways: Vec<SocketAddr>, keys: Vec<ScopedKey>, epoch: Instant) -> Arc<Self> {
         Arc::new(Self {
             gateways,
@@ -135,6 +136,7 @@ impl Clients {
         })
     }
 
+    /// Milliseconds since the run's epoch.
     fn ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
     }
@@ -275,7 +277,7 @@ impl Clients {
     pub async fn final_key(self: Arc<Self>, k: usize) {
         let n = self.gateways.len();
         let mut in_flight_seen = false;
-        for attempt in 0..5 {
+        for attempt in 0..8 {
             let gw = (k + attempt) % n;
             match self
                 .send(k, false, gw, Duration::from_secs(10), Phase::Final)
@@ -290,7 +292,7 @@ impl Clients {
             }
         }
         if self.keys[k].reuse {
-            for attempt in 0..5 {
+            for attempt in 0..8 {
                 let gw = (k + attempt) % n;
                 match self
                     .send(k, true, gw, Duration::from_secs(10), Phase::Final)

@@ -207,6 +207,7 @@ pub async fn inject(targets: Arc<Targets>, rates: Rates, stop: Arc<AtomicBool>) 
     v
 }
 
+/// A duration drawn uniformly in `lo..=hi` ms.
 fn ms_range(lo: u64, hi: u64) -> Duration {
     Duration::from_millis(rand::thread_rng().gen_range(lo..=hi))
 }
@@ -287,6 +288,7 @@ async fn apply(t: &Targets, kind: FaultKind, gw: Option<usize>) -> String {
     }
 }
 
+/// The link of gateway `i` that `kind` acts on.
 fn link(t: &Targets, kind: FaultKind, i: usize) -> Arc<FaultProxy> {
     match kind {
         FaultKind::StoreDelay | FaultKind::StoreBlackhole | FaultKind::StoreReset => {

@@ -33,6 +33,7 @@ impl Gateway {
         }
     }
 
+    /// Spawns the process once, its standard error appended to the log.
     fn spawn(&mut self) {
         let log = OpenOptions::new()
             .create(true)

@@ -150,6 +150,7 @@ async fn pump(from: Arc<TcpStream>, to: Arc<TcpStream>, mut mode: watch::Receive
     }
 }
 
+/// Reads what is there (at least one byte, or 0 at EOF).
 async fn read(s: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
     loop {
         s.readable().await?;
@@ -161,6 +162,7 @@ async fn read(s: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
     }
 }
 
+/// Writes all of `buf`.
 async fn write_all(s: &TcpStream, mut buf: &[u8]) -> std::io::Result<()> {
     while !buf.is_empty() {
         s.writable().await?;
@@ -173,6 +175,7 @@ async fn write_all(s: &TcpStream, mut buf: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Half-closes `s` (FIN): the peer reads EOF.
 fn shutdown_write(s: &TcpStream) -> std::io::Result<()> {
     let sock = socket2::SockRef::from(s);
     sock.shutdown(std::net::Shutdown::Write)

@@ -31,6 +31,7 @@ pub enum StoreKind {
 }
 
 impl StoreKind {
+    /// The store's name in tables and key prefixes.
     pub fn name(self) -> &'static str {
         match self {
             StoreKind::Postgres => "postgres",
@@ -329,6 +330,7 @@ fi"#;
         }
     }
 
+    /// The running server's process id (from the keeper).
     fn pid(&self) -> Option<u32> {
         std::fs::read_to_string(self.dir.join("server.pid"))
             .ok()?

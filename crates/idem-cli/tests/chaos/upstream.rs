@@ -88,6 +88,7 @@ pub struct UpstreamChaos {
     pub drop: f64,
 }
 
+/// What the listeners share.
 struct State {
     epoch: Instant,
     next: AtomicU64,
@@ -178,10 +179,12 @@ async fn serve_conn(stream: tokio::net::TcpStream, gw: usize, state: Arc<State>)
     }
 }
 
+/// Milliseconds since the run's epoch.
 fn ms(state: &State) -> u64 {
     state.epoch.elapsed().as_millis() as u64
 }
 
+/// A request field as text (empty when absent).
 fn header(req: &Request<Incoming>, name: &str) -> String {
     req.headers()
         .get(name)
@@ -207,6 +210,8 @@ impl Drop for Finish {
     }
 }
 
+/// One request: the fence check and the effect, then the answer the
+/// upstream's chaos draws.
 async fn handle(
     req: Request<Incoming>,
     gw: usize,
