@@ -513,11 +513,14 @@ pub fn check(
     r
 }
 
+/// One row of the figures table: its label and how to read it.
+type Row = (&'static str, fn(&Report) -> String);
+
 /// The figures of every store as markdown tables (figures, then faults by
 /// kind).
 pub fn table(reports: &[Report]) -> String {
     let mut s = String::new();
-    let rows: [(&str, fn(&Report) -> String); 23] = [
+    let rows: [Row; 23] = [
         ("keys (scoped)", |r| r.keys.to_string()),
         ("client requests", |r| r.requests.to_string()),
         ("client answers 2xx / 409 / 422 / 5xx", |r| {

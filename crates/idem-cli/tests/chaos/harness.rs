@@ -103,10 +103,10 @@ pub async fn run_store(kind: StoreKind, size: Size, prefix: &str, dir: &Path) ->
         }
     };
     let mut gateways = Vec::new();
-    for i in 0..GATEWAYS {
+    for (i, up) in upstream_links.iter().enumerate() {
         let mut args: Vec<String> = [
             "--upstream",
-            &format!("http://{}", upstream_links[i].addr),
+            &format!("http://{}", up.addr),
             "--store",
             &store_url(i),
             "--lease",
