@@ -81,10 +81,13 @@ pub struct EngineConfig {
     pub save_retry: Duration,
     /// How long the answer of a failure without effect
     /// ([`Action::ReleaseWith`]) is replayed to duplicates of the same
-    /// request before the key is free again (default 1 s, millisecond
-    /// precision; saturates up to `Duration::MAX`). Without it, duplicates
-    /// that waited for a 5xx woke to a free key and ran it again in turn
-    /// (20 waiters, 16 to 17 executions). 0 frees the key at once.
+    /// request before the key is free again (default
+    /// [`DEFAULT_SHARE_FAILURE`], 0: off; millisecond precision; saturates
+    /// up to `Duration::MAX`). Without it, duplicates that waited for a 5xx
+    /// wake to a free key and run it again in turn (20 waiters, 16 to 17
+    /// executions); with it (1 s is enough for waiters, who wake within
+    /// milliseconds) they get that answer. The window is not limited to
+    /// waiters: a retry within it gets the failure too.
     pub share_failure: Duration,
 }
 
@@ -102,8 +105,12 @@ pub const DEFAULT_ON_CANCEL: Action = Action::Hold;
 pub const DEFAULT_SAVE_WAIT: Duration = Duration::from_secs(2);
 /// [`EngineConfig::save_retry`]'s default: 10 min.
 pub const DEFAULT_SAVE_RETRY: Duration = Duration::from_secs(600);
-/// [`EngineConfig::share_failure`]'s default: 1 s.
-pub const DEFAULT_SHARE_FAILURE: Duration = Duration::from_secs(1);
+/// [`EngineConfig::share_failure`]'s default: 0 (off: a released failure
+/// frees its key at once). Off by default because the window is shared with
+/// *every* duplicate, also a client's own retry right after the failure: a
+/// service that answers 504 "outcome unknown" and expects the retry to
+/// reconcile would get its 504 replayed for the window instead.
+pub const DEFAULT_SHARE_FAILURE: Duration = Duration::ZERO;
 
 /// The shortest lease the engine runs with: 1 s.
 ///

@@ -256,8 +256,34 @@ async fn b3_chunked_upstream_response_is_stored() {
 
 #[tokio::test]
 async fn c1_5xx_is_not_stored_and_a_retry_runs_once_more() {
+    let Rig { up, gw, c } = rig(|_| {}).await;
+    let k = key("c1");
+    let a = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
+    assert_eq!(a.status, 500);
+    assert_eq!(a.json()["execution"], 1);
+    let b = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
+    assert_eq!(b.status, 500);
+    assert!(!b.replayed());
+    assert_eq!(b.json()["execution"], 2);
+    assert_eq!(up.hits(), 2);
+    // 503 and 429 are released too.
+    for code in [503, 429] {
+        let k = key("c1-released");
+        post(&c, &gw.url(&format!("/status/{code}")), Some(&k), "{}").await;
+        let r = post(&c, &gw.url(&format!("/status/{code}")), Some(&k), "{}").await;
+        assert!(!r.replayed(), "{code} was stored");
+    }
+}
+
+/// `--share-failure 1s`: a released 5xx is replayed (with `Retry-After`)
+/// for the window, then a retry runs once more.
+#[tokio::test]
+async fn a_shared_5xx_is_replayed_for_its_window_then_a_retry_runs() {
     let clock = idem_core::ManualClock::starting_now();
-    let Rig { up, gw, c } = rig_with(MemoryStore::new().with_clock(clock.clone()), |_| {}).await;
+    let Rig { up, gw, c } = rig_with(MemoryStore::new().with_clock(clock.clone()), |c| {
+        c.layer.share_failure = Duration::from_secs(1);
+    })
+    .await;
     let k = key("c1");
     let a = post(&c, &gw.url("/status/500"), Some(&k), "{}").await;
     assert_eq!(a.status, 500);

@@ -427,14 +427,14 @@ impl IdempotencyLayer {
 
         /// How long the answer of a released failure (5xx, unreachable
         /// inner service) is replayed to duplicates of the same request
-        /// before a retry runs again (default 1 s; 0: released at once; see
+        /// before a retry runs again (default 0: released at once; see
         /// [`Options::share_failure`]).
         ///
         /// ```
         /// use std::time::Duration;
         /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
-        ///     .with_share_failure(Duration::ZERO);
-        /// assert_eq!(layer.options().share_failure, Duration::ZERO);
+        ///     .with_share_failure(Duration::from_secs(1));
+        /// assert_eq!(layer.options().share_failure, Duration::from_secs(1));
         /// ```
         with_share_failure(share_failure: Duration);
 

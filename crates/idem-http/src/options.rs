@@ -77,7 +77,9 @@ pub struct Options {
     /// at most `retention_limit`) is replayed to duplicates of the same
     /// request — those that waited for it and those arriving within this
     /// window — before a retry runs again (default
-    /// [`EngineConfig::default`]'s, 1 s; 0: released at once, as before).
+    /// [`EngineConfig::default`]'s, 0: released at once; 1 s covers
+    /// waiting duplicates — a client's own retry within the window gets the
+    /// failure too).
     /// See [`idem_core::Action::ReleaseWith`].
     pub share_failure: Duration,
     /// Which statuses are stored, released or held (default

@@ -196,8 +196,10 @@ pub struct GatewayArgs {
     /// `upstream-unreachable`; a body within `--retention-limit`) is
     /// replayed, with `Retry-After`, to duplicates of the same request —
     /// those that waited for it and those arriving within this window —
-    /// before a retry runs again; `0` releases the key at once. Without it a
-    /// burst of duplicates runs a failing request once each.
+    /// before a retry runs again; `0` (the default) releases the key at
+    /// once. Use it with `--wait` (1s is enough): without it each waiting
+    /// duplicate of a 5xx runs the request again in turn. A client's own
+    /// retry within the window gets the failure too.
     #[arg(long, env = "IDEM_SHARE_FAILURE", value_name = "DURATION", default_value = show_duration(Options::default().share_failure), value_parser = parse_duration)]
     pub share_failure: Duration,
 
