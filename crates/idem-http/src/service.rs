@@ -1140,7 +1140,7 @@ where
                     "the body of a failure answer failed while it was buffered; answering 502, the key is released"
                 );
                 return (
-                    released_body_failed(parts.status, prefix.len()),
+                    body_failed(parts.status, prefix.len(), true),
                     Action::Release,
                 );
             }
@@ -1175,7 +1175,7 @@ where
                     error = %error,
                     "the response body failed while it was buffered; answering 502, the key is held until its lease ends"
                 );
-                return (body_failed(parts.status, prefix.len()), Action::Hold);
+                return (body_failed(parts.status, prefix.len(), false), Action::Hold);
             }
         },
     };
@@ -1200,32 +1200,23 @@ pub(crate) fn informational_answer(status: StatusCode) -> Response<BoxBody> {
 }
 
 /// The 502 `upstream-failed` answer for a response whose body failed while
-/// it was buffered for the store.
-fn body_failed(status: StatusCode, received: usize) -> Response<BoxBody> {
+/// it was buffered (for the store, or to be shared). `released`: the status
+/// said the request had no effect and the key was released; otherwise the
+/// outcome is unknown and the key is held until its lease ends.
+fn body_failed(status: StatusCode, received: usize, released: bool) -> Response<BoxBody> {
+    let key = if released {
+        "The status says the request had no effect, so this Idempotency-Key was \
+         released: a retry runs again."
+    } else {
+        "Its outcome is unknown, so this Idempotency-Key is held until its lease \
+         ends; a retry with the same key is accepted after that."
+    };
     Problem::new(
         StatusCode::BAD_GATEWAY,
         "upstream-failed",
         format!(
             "The response (status {}) failed after {received} bytes of its body, before \
-             anything was sent. Its outcome is unknown, so this Idempotency-Key is held \
-             until its lease ends; a retry with the same key is accepted after that.",
-            status.as_u16()
-        ),
-    )
-    .with_member("upstream_status", status.as_u16())
-    .into_response()
-}
-
-/// The 502 `upstream-failed` answer for a failure response (released by
-/// the policy) whose body failed while it was buffered to be shared.
-fn released_body_failed(status: StatusCode, received: usize) -> Response<BoxBody> {
-    Problem::new(
-        StatusCode::BAD_GATEWAY,
-        "upstream-failed",
-        format!(
-            "The response (status {}) failed after {received} bytes of its body, before \
-             anything was sent. The status says the request had no effect, so this \
-             Idempotency-Key was released: a retry runs again.",
+             anything was sent. {key}",
             status.as_u16()
         ),
     )
