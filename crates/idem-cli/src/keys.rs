@@ -4,6 +4,7 @@
 //! idem keys list   --store URL [--scope-header NAME:VALUE … | --scope-hash HEX] [--state S] [--limit N] [--cursor C | --all] [--json]
 //! idem keys get    --store URL [--scope-header NAME:VALUE … | --scope-hash HEX] KEY [--json]
 //! idem keys delete --store URL [--scope-header NAME:VALUE … | --scope-hash HEX] KEY [--json]
+//! idem keys complete --store URL [scope] KEY --status N [--header NAME:VALUE …] [--body TEXT | --body-file F] [--ttl D] [--force] [--json]
 //! idem keys purge  --store URL [--json]
 //! ```
 //!
@@ -12,8 +13,9 @@
 //! given). The operations and the `--json` shapes are
 //! `idem_gateway::keys`'s, the same as the admin API's.
 //!
-//! Exit status: 0 done; 1 the key is absent (`get`, `delete`) or the store
-//! failed; 2 a malformed flag or store URL.
+//! Exit status: 0 done; 1 the key is absent (`get`, `delete`, `complete`),
+//! not held or completed already (`complete`), or the store failed; 2 a
+//! malformed flag or store URL.
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -53,8 +55,13 @@ enum KeysCommand {
     /// Show the record of one key.
     Get(KeyArgs),
     /// Delete the record of one key, whatever its state (a retry then runs
-    /// again). Logged at WARN with who, what and when.
+    /// again). Releases a held key. Logged at WARN with who, what and when.
     Delete(KeyArgs),
+    /// Settle a held key (its outcome was unknown: 504, broken body, result
+    /// not saved) with the answer its duplicates get from now on, e.g.
+    /// after checking the upstream's own records. Only a held key unless
+    /// --force. Logged at WARN with who, what and when.
+    Complete(CompleteArgs),
     /// Delete expired records (results past their TTL, claims past their
     /// lease) and print how many.
     Purge(PurgeArgs),
@@ -148,6 +155,31 @@ struct KeyArgs {
 }
 
 #[derive(Debug, Args)]
+struct CompleteArgs {
+    #[command(flatten)]
+    key: KeyArgs,
+    /// The HTTP status duplicates get (100..=599).
+    #[arg(long, value_name = "N")]
+    status: u16,
+    /// A header field duplicates get, NAME:VALUE (repeatable).
+    #[arg(long = "header", short = 'H', value_name = "NAME:VALUE")]
+    header: Vec<String>,
+    /// The body duplicates get.
+    #[arg(long, value_name = "TEXT", conflicts_with = "body_file")]
+    body: Option<String>,
+    /// The body duplicates get, read from a file (UTF-8).
+    #[arg(long, value_name = "FILE")]
+    body_file: Option<std::path::PathBuf>,
+    /// How long the answer is replayed.
+    #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = positive_duration)]
+    ttl: Duration,
+    /// Complete a key that is in flight and not held (its request may still
+    /// be running; its own result then loses).
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Debug, Args)]
 struct PurgeArgs {
     #[command(flatten)]
     store: StoreArgs,
@@ -185,6 +217,7 @@ pub(crate) async fn run(args: KeysArgs) -> ExitCode {
         KeysCommand::List(a) => list(a).await,
         KeysCommand::Get(a) => get(a).await,
         KeysCommand::Delete(a) => delete(a).await,
+        KeysCommand::Complete(a) => complete(a).await,
         KeysCommand::Purge(a) => purge(a).await,
     }
 }
@@ -385,6 +418,82 @@ async fn delete(a: KeyArgs) -> ExitCode {
     }
 }
 
+/// The [`ops::CompleteRequest`] the flags of `idem keys complete` name.
+fn completion(a: &CompleteArgs) -> Result<ops::CompleteRequest, Failed> {
+    let mut headers = std::collections::BTreeMap::new();
+    for h in &a.header {
+        let Some((name, value)) = h.split_once(':') else {
+            return Err(usage(format!("--header {h:?} is not NAME:VALUE")));
+        };
+        headers.insert(
+            name.trim().to_ascii_lowercase(),
+            value.trim_matches([' ', '\t']).to_owned(),
+        );
+    }
+    let body = match (&a.body, &a.body_file) {
+        (Some(b), _) => b.clone(),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .map_err(|e| usage(format!("--body-file {}: {e}", f.display())))?,
+        (None, None) => String::new(),
+    };
+    Ok(ops::CompleteRequest {
+        status: a.status,
+        headers,
+        body,
+        ttl: Some(idem_gateway::show_duration(a.ttl)),
+        force: a.force,
+    })
+}
+
+async fn complete(a: CompleteArgs) -> ExitCode {
+    let inner = async {
+        let k = &a.key;
+        let scope = k
+            .scope
+            .scope()
+            .map_err(usage)?
+            .unwrap_or_else(Scope::anonymous);
+        let (response, ttl) = completion(&a)?
+            .to_response()
+            .map_err(|e| usage(e.chain()))?;
+        let store = open(&k.store).await?;
+        match ops::complete(
+            &*store,
+            &scope,
+            &k.key,
+            &response,
+            ttl,
+            a.force,
+            k.store.store_timeout,
+        )
+        .await
+        {
+            Ok(Some(c)) => {
+                ops::log_completed(&c, response.status, &operator(), "idem keys");
+                if k.store.json {
+                    print_json(&c);
+                } else {
+                    println!(
+                        "completed key {:?} in scope {} (key hash {}, fence {}): duplicates now get status {}",
+                        c.key, c.scope, c.key_hash, c.fence, response.status
+                    );
+                }
+                Ok(())
+            }
+            Ok(None) => Err(absent(&scope, &k.key)),
+            Err(e @ (KeysError::NotHeld | KeysError::AlreadyCompleted | KeysError::Changed)) => {
+                eprintln!("idem keys: {e}");
+                Err(Failed(ExitCode::FAILURE))
+            }
+            Err(e) => Err(store_failed(&k.store, &e)),
+        }
+    };
+    match inner.await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failed(code)) => code,
+    }
+}
+
 async fn purge(a: PurgeArgs) -> ExitCode {
     let inner = async {
         let store = open(&a.store).await?;
@@ -500,6 +609,14 @@ fn until(rec: &KeyRecord, now: u64) -> String {
     }
 }
 
+/// `in-flight`, `completed`, or `held (timeout)` for a held key.
+fn state(rec: &KeyRecord) -> String {
+    match &rec.held {
+        Some(reason) => format!("held ({reason})"),
+        None => rec.state.clone(),
+    }
+}
+
 /// "201, 57 B" (status and stored body size).
 fn response(rec: &KeyRecord) -> String {
     match &rec.response {
@@ -545,7 +662,7 @@ fn table(page: &KeyPage, now: u64) -> String {
             [
                 cut(&r.key, 48),
                 ShortScope(&r.scope).to_string(),
-                r.state.clone(),
+                state(r),
                 r.fence.map_or_else(|| "-".into(), |f| f.to_string()),
                 until(r, now),
                 r.fingerprint.chars().take(12).collect(),
@@ -610,7 +727,7 @@ fn details(rec: &KeyRecord, now: u64) -> String {
     field("key", &rec.key);
     field("scope", &rec.scope);
     field("key hash", &rec.key_hash);
-    field("state", &rec.state);
+    field("state", &state(rec));
     if let Some(f) = rec.fence {
         field("fence", &f.to_string());
     }
@@ -634,7 +751,11 @@ fn details(rec: &KeyRecord, now: u64) -> String {
 fn deleted(d: &Deleted, now: u64) -> String {
     let what = match &d.record {
         Some(r) if r.state == ops::STATE_IN_FLIGHT => format!(
-            "it was in flight, fence {}, {}; the next request with this key runs",
+            "it was {}, fence {}, {}; the next request with this key runs",
+            match &r.held {
+                Some(reason) => format!("held ({reason}): released"),
+                None => "in flight".to_owned(),
+            },
             r.fence.unwrap_or_default(),
             until(r, now)
         ),
@@ -662,6 +783,7 @@ mod tests {
             scope: "a".repeat(64),
             key_hash: "0123456789abcdef".into(),
             state: state.into(),
+            held: None,
             fingerprint: "f".repeat(64),
             fence: (state == "in-flight").then_some(42),
             lease_until: None,

@@ -7,8 +7,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::StoreError;
-use crate::instrument::{LEASE_LOST, LEASE_TAKEOVERS, SAVE_RETRIES};
-use crate::store::{Begin, BeginRequest, Lease, Store};
+use crate::instrument::{LEASE_LOST, LEASE_TAKEOVERS, SAVES_GIVEN_UP, SAVE_RETRIES};
+use crate::store::{Begin, BeginRequest, HoldReason, Lease, Store};
 use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
 
 /// What to do with a key once its operation has finished.
@@ -32,9 +32,12 @@ pub enum Action {
     /// with `share_failure` 0 this is [`Action::Release`].
     ReleaseWith(StoredResponse),
     /// The outcome is unknown (e.g. a timeout after the request was sent):
-    /// leave the key in flight until its lease ends, so nothing runs again
-    /// while the first attempt may still be landing.
-    Hold,
+    /// keep the key in flight, marked held for this reason
+    /// ([`Store::hold`]), until its lease ends — or
+    /// [`EngineConfig::hold_for`] from now, when that is later — so
+    /// nothing runs again while the first attempt may still be landing,
+    /// and an operator can see the key and settle it.
+    Hold(HoldReason),
 }
 
 /// Engine settings.
@@ -60,9 +63,11 @@ pub struct EngineConfig {
     /// Renew the lease every `lease / 3` while the operation runs (default on).
     pub watchdog: bool,
     /// What happens to the key when the operation's future is dropped
-    /// before it finishes (default [`Action::Hold`]: its effect is unknown, so
-    /// the key frees itself when the lease ends; [`Action::Release`] frees it
-    /// at once). [`Action::Store`] and [`Action::ReleaseWith`] are treated as `Hold`.
+    /// before it finishes (default [`Action::Hold`] with
+    /// [`HoldReason::Cancelled`]: its effect is unknown, so the key is held
+    /// as for a timeout; [`Action::Release`] frees it at once).
+    /// [`Action::Store`] and [`Action::ReleaseWith`] are treated as that
+    /// `Hold`.
     pub on_cancel: Action,
     /// How long the caller waits for a result's save to succeed when the
     /// first `complete` fails (default 2 s). Until then the save is retried
@@ -89,6 +94,15 @@ pub struct EngineConfig {
     /// milliseconds) they get that answer. The window is not limited to
     /// waiters: a retry within it gets the failure too.
     pub share_failure: Duration,
+    /// How long a key whose outcome is unknown stays held ([`Action::Hold`]:
+    /// a timeout, a broken body, a cancelled run; and a save given up):
+    /// its lease end moves to at least now + `hold_for`, so no retry runs it
+    /// again before an operator had a chance to settle it (`idem keys
+    /// release` / `complete`). Default [`DEFAULT_HOLD_FOR`], 0: the key
+    /// frees itself when its current lease ends, as a crashed holder's key
+    /// does. Millisecond precision; saturates up to `Duration::MAX` (held
+    /// until an operator settles it).
+    pub hold_for: Duration,
 }
 
 /// [`EngineConfig::lease`]'s default: 30 s.
@@ -99,8 +113,12 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
 pub const DEFAULT_WAIT: Duration = Duration::ZERO;
 /// [`EngineConfig::watchdog`]'s default: on.
 pub const DEFAULT_WATCHDOG: bool = true;
-/// [`EngineConfig::on_cancel`]'s default: [`Action::Hold`].
-pub const DEFAULT_ON_CANCEL: Action = Action::Hold;
+/// [`EngineConfig::on_cancel`]'s default: [`Action::Hold`] with
+/// [`HoldReason::Cancelled`].
+pub const DEFAULT_ON_CANCEL: Action = Action::Hold(HoldReason::Cancelled);
+/// [`EngineConfig::hold_for`]'s default: 0 (a held key frees itself when
+/// its lease ends).
+pub const DEFAULT_HOLD_FOR: Duration = Duration::ZERO;
 /// [`EngineConfig::save_wait`]'s default: 2 s.
 pub const DEFAULT_SAVE_WAIT: Duration = Duration::from_secs(2);
 /// [`EngineConfig::save_retry`]'s default: 10 min.
@@ -195,6 +213,7 @@ impl Default for EngineConfig {
             save_wait: DEFAULT_SAVE_WAIT,
             save_retry: DEFAULT_SAVE_RETRY,
             share_failure: DEFAULT_SHARE_FAILURE,
+            hold_for: DEFAULT_HOLD_FOR,
         }
     }
 }
@@ -207,7 +226,9 @@ pub enum Saved {
     /// The key was released (after [`Action::ReleaseWith`]: once its
     /// answer's [`EngineConfig::share_failure`] window ends).
     Released,
-    /// The key is held until its lease ends.
+    /// The key is held: its outcome is unknown ([`Action::Hold`]), so it
+    /// stays in flight until its lease ends (at least
+    /// [`EngineConfig::hold_for`]) or an operator settles it.
     Held,
     /// The lease was lost (expired and taken over) before the result could be
     /// written; the newer holder's outcome stands.
@@ -449,6 +470,7 @@ impl<S: Store + Clone> Engine<S> {
             store: self.store.clone(),
             lease: Some(lease.clone()),
             on_cancel: self.config.on_cancel.clone(),
+            hold_for: self.config.hold_for,
         };
         let run = op(lease.clone());
         // The watchdog runs in this task beside the operation (one timer,
@@ -489,7 +511,22 @@ impl<S: Store + Clone> Engine<S> {
             Action::ReleaseWith(response) => {
                 Settled::Key(self.release_with(key, &lease, response).await)
             }
-            Action::Hold => Settled::Key(Saved::Held),
+            Action::Hold(reason) => Settled::Key(self.hold(key, &lease, reason).await),
+        }
+    }
+
+    /// Marks the key held for `reason` and keeps it at least
+    /// [`EngineConfig::hold_for`] ([`Store::hold`]). When the store cannot
+    /// be written the key is still in flight, so it is held all the same
+    /// until its lease ends; only a lost lease is reported differently.
+    async fn hold(&self, key: &IdempotencyKey, lease: &Lease, reason: HoldReason) -> Saved {
+        match hold_key(&self.store, lease, reason, self.config.hold_for).await {
+            Err(StoreError::LeaseLost { .. }) => Saved::LeaseLost,
+            Ok(()) | Err(_) => {
+                let fence = lease.fence;
+                tracing::warn!(key = %key, fence, reason = %reason, "the outcome is unknown; the key is held");
+                Saved::Held
+            }
         }
     }
 
@@ -565,7 +602,7 @@ impl<S: Store + Clone> Engine<S> {
                 let action = match &r {
                     Ok(v) => match serde_json::to_vec(v) {
                         Ok(body) => Action::Store(StoredResponse::new(200, body)),
-                        Err(_) => Action::Hold,
+                        Err(_) => Action::Hold(HoldReason::Unknown),
                     },
                     Err(_) => Action::Release,
                 };
@@ -665,6 +702,9 @@ struct ResultSave<S> {
     wait: Duration,
     /// How long the background retry goes on ([`EngineConfig::save_retry`]).
     retry: Duration,
+    /// How long the key is held once the save is given up
+    /// ([`EngineConfig::hold_for`]).
+    hold_for: Duration,
     /// `complete`s refused (not timed out) while `extend` succeeded: the
     /// store is up and refuses the result itself.
     strikes: u32,
@@ -695,6 +735,7 @@ impl<S: Store> ResultSave<S> {
             lease_for: config.lease,
             wait: config.save_wait,
             retry: config.save_retry,
+            hold_for: config.hold_for,
             strikes: 0,
             delay: SAVE_FIRST_DELAY,
         }
@@ -710,7 +751,7 @@ impl<S: Store> ResultSave<S> {
             Err(e) => e,
         };
         if self.retry.is_zero() {
-            tracing::error!(key = %key, fence, error = %e, "saving the result failed; the key is held until its lease ends");
+            self.give_up(key, &e).await;
             return Settled::SaveGaveUp(e);
         }
         tracing::error!(key = %key, fence, error = %e, "saving the result failed; still retrying in the background while the lease is kept alive");
@@ -730,11 +771,32 @@ impl<S: Store> ResultSave<S> {
                     metrics::counter!(LEASE_LOST).increment(1);
                     tracing::warn!(key = %key, fence, "the lease was lost before the result could be saved")
                 }
-                Err(e) => {
-                    tracing::error!(key = %key, fence, error = %e, "gave up saving the result; the key frees itself when its lease ends")
-                }
+                Err(e) => self.give_up(&key, &e).await,
             }
         });
+    }
+
+    /// The end of a save that failed for good: counted
+    /// (`idem_saves_given_up_total`), logged at ERROR with the key and
+    /// fence, and the key held ([`HoldReason::SaveFailed`], at least
+    /// [`EngineConfig::hold_for`]) — when the store takes that write.
+    async fn give_up(&self, key: &IdempotencyKey, e: &StoreError) {
+        metrics::counter!(SAVES_GIVEN_UP).increment(1);
+        let fence = self.lease.fence;
+        let held = hold_key(
+            &self.store,
+            &self.lease,
+            HoldReason::SaveFailed,
+            self.hold_for,
+        )
+        .await
+        .is_ok();
+        let until = if held {
+            "held (save-failed) until an operator settles it or its hold ends"
+        } else {
+            "in flight until its lease ends"
+        };
+        tracing::error!(key = %key, fence, error = %e, "GAVE UP saving the result: the operation ran but its result is not stored, and a retry after the key is free runs it again; the key is {until} (`idem keys get` / `release` / `complete`)");
     }
 
     /// Tries until saved, the lease is lost, or `until` passes (then the
@@ -809,11 +871,33 @@ async fn watchdog<S: Store>(store: S, mut lease: Lease, every: Duration) {
     }
 }
 
+/// One [`Store::hold`] call for `lease`; a failure other than a lost lease
+/// is logged (the key then stays in flight until its current lease ends).
+async fn hold_key<S: Store>(
+    store: &S,
+    lease: &Lease,
+    reason: HoldReason,
+    hold_for: Duration,
+) -> Result<(), StoreError> {
+    match store.hold(lease, reason, hold_for).await {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            if !matches!(e, StoreError::LeaseLost { .. }) {
+                let fence = lease.fence;
+                tracing::warn!(key = %lease.key, fence, reason = %reason, error = %e, "marking the key held failed; it stays in flight until its lease ends");
+            }
+            Err(e)
+        }
+    }
+}
+
 /// Undoes a claim whose operation was dropped mid-flight.
 struct ClaimGuard<S: Store + Clone> {
     store: S,
     lease: Option<Lease>,
     on_cancel: Action,
+    /// [`EngineConfig::hold_for`].
+    hold_for: Duration,
 }
 
 impl<S: Store + Clone> Drop for ClaimGuard<S> {
@@ -821,16 +905,25 @@ impl<S: Store + Clone> Drop for ClaimGuard<S> {
         let Some(lease) = self.lease.take() else {
             return;
         };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            // No runtime: the watchdog is stopped, so the key frees itself
+            // when the lease ends.
+            return;
+        };
+        let store = self.store.clone();
         if self.on_cancel == Action::Release {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                let store = self.store.clone();
-                rt.spawn(async move {
-                    let _ = store.release(&lease).await;
-                });
-            }
+            rt.spawn(async move {
+                let _ = store.release(&lease).await;
+            });
+        } else {
+            let (reason, hold_for) = match self.on_cancel {
+                Action::Hold(reason) => (reason, self.hold_for),
+                _ => (HoldReason::Cancelled, self.hold_for),
+            };
+            rt.spawn(async move {
+                let _ = hold_key(&store, &lease, reason, hold_for).await;
+            });
         }
-        // Hold (or no runtime): the watchdog is stopped, so the key frees
-        // itself when the lease ends.
     }
 }
 
@@ -958,6 +1051,14 @@ mod tests {
         }
         async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
             self.inner.extend(lease, lease_for).await
+        }
+        async fn hold(
+            &self,
+            lease: &Lease,
+            reason: HoldReason,
+            hold_for: Duration,
+        ) -> Result<Lease, StoreError> {
+            self.inner.hold(lease, reason, hold_for).await
         }
         async fn get(
             &self,

@@ -48,6 +48,8 @@ pub enum Phase {
     Release,
     /// `extend`.
     Extend,
+    /// `hold`.
+    Hold,
     /// `get`.
     Get,
     /// `delete`.
@@ -66,6 +68,7 @@ impl std::fmt::Display for Phase {
             Phase::Complete => "complete",
             Phase::Release => "release",
             Phase::Extend => "extend",
+            Phase::Hold => "hold",
             Phase::Get => "get",
             Phase::Delete => "delete",
             Phase::Purge => "purge",

@@ -28,7 +28,7 @@ use tracing::Instrument;
 
 use crate::admin::{KeyAdmin, ListPage, ListQuery};
 use crate::error::StoreError;
-use crate::store::{Begin, BeginRequest, Lease, Record, Store};
+use crate::store::{Begin, BeginRequest, HoldReason, Lease, Record, Store};
 use crate::{IdempotencyKey, Scope, StoredResponse};
 
 /// The histogram of store call durations, seconds, by `op`.
@@ -46,6 +46,11 @@ pub const SAVE_RETRIES: &str = "idem_save_retries_total";
 /// Counter: claims that took a key over from a holder whose lease had
 /// ended (a crashed or stalled run).
 pub const LEASE_TAKEOVERS: &str = "idem_lease_takeovers_total";
+/// Counter: results whose save was given up (the store failed through
+/// [`crate::EngineConfig::save_wait`] and the background retry): the
+/// operation ran, its result is not stored, and the key is held
+/// ([`crate::HoldReason::SaveFailed`]) for an operator to settle.
+pub const SAVES_GIVEN_UP: &str = "idem_saves_given_up_total";
 
 /// A store call, as the `op` label names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -59,6 +64,8 @@ pub enum StoreOp {
     Release,
     /// [`Store::extend`].
     Extend,
+    /// [`Store::hold`].
+    Hold,
     /// [`Store::get`].
     Get,
     /// [`Store::delete`].
@@ -73,11 +80,12 @@ pub enum StoreOp {
 
 impl StoreOp {
     /// Every op, in label order.
-    pub const ALL: [StoreOp; 9] = [
+    pub const ALL: [StoreOp; 10] = [
         StoreOp::Begin,
         StoreOp::Complete,
         StoreOp::Release,
         StoreOp::Extend,
+        StoreOp::Hold,
         StoreOp::Get,
         StoreOp::Delete,
         StoreOp::Purge,
@@ -85,7 +93,7 @@ impl StoreOp {
         StoreOp::Wait,
     ];
 
-    /// The label value: `begin`, `complete`, `release`, `extend`, `get`,
+    /// The label value: `begin`, `complete`, `release`, `extend`, `hold`, `get`,
     /// `delete`, `purge`, `list`, `wait`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -93,6 +101,7 @@ impl StoreOp {
             StoreOp::Complete => "complete",
             StoreOp::Release => "release",
             StoreOp::Extend => "extend",
+            StoreOp::Hold => "hold",
             StoreOp::Get => "get",
             StoreOp::Delete => "delete",
             StoreOp::Purge => "purge",
@@ -147,7 +156,7 @@ pub fn error_kind(e: &StoreError) -> &'static str {
 pub struct InstrumentedStore<S> {
     inner: S,
     /// One histogram per op of [`StoreOp::ALL`], in that order.
-    durations: [Histogram; 9],
+    durations: [Histogram; 10],
 }
 
 impl<S> InstrumentedStore<S> {
@@ -221,6 +230,16 @@ impl<S: Store> Store for InstrumentedStore<S> {
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
         self.observe(StoreOp::Extend, self.inner.extend(lease, lease_for))
+            .await
+    }
+
+    async fn hold(
+        &self,
+        lease: &Lease,
+        reason: HoldReason,
+        hold_for: Duration,
+    ) -> Result<Lease, StoreError> {
+        self.observe(StoreOp::Hold, self.inner.hold(lease, reason, hold_for))
             .await
     }
 

@@ -36,8 +36,8 @@ pub use admin::{key_hash, KeyAdmin};
 pub use clock::{duration_ms, Clock, ManualClock, Millis, SharedClock, SystemClock};
 pub use engine::{
     Action, Engine, EngineConfig, EngineConfigError, Once, OnceError, Outcome, Saved,
-    DEFAULT_LEASE, DEFAULT_ON_CANCEL, DEFAULT_SAVE_RETRY, DEFAULT_SAVE_WAIT, DEFAULT_SHARE_FAILURE,
-    DEFAULT_TTL, DEFAULT_WAIT, DEFAULT_WATCHDOG, MIN_LEASE,
+    DEFAULT_HOLD_FOR, DEFAULT_LEASE, DEFAULT_ON_CANCEL, DEFAULT_SAVE_RETRY, DEFAULT_SAVE_WAIT,
+    DEFAULT_SHARE_FAILURE, DEFAULT_TTL, DEFAULT_WAIT, DEFAULT_WATCHDOG, MIN_LEASE,
 };
 pub use error::{BoxError, KeyError, Phase, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
@@ -46,5 +46,5 @@ pub use key::{IdempotencyKey, Scope, MAX_KEY_LEN};
 pub use memory::{MemoryLimits, MemoryStore};
 pub use response::StoredResponse;
 pub use store::admin;
-pub use store::{Begin, BeginRequest, DynStore, Lease, Record, RecordState, Store};
+pub use store::{Begin, BeginRequest, DynStore, HoldReason, Lease, Record, RecordState, Store};
 pub use url::RedactedUrl;

@@ -29,7 +29,7 @@ use tokio::sync::Notify;
 use crate::admin::{KeyAdmin, ListPage, ListQuery, ListedRecord, StateFilter};
 use crate::clock::{Clock, Millis, SharedClock, SystemClock};
 use crate::error::StoreError;
-use crate::store::{Begin, BeginRequest, Lease, Record, RecordState, Store};
+use crate::store::{Begin, BeginRequest, HoldReason, Lease, Record, RecordState, Store};
 use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
 
 /// Bytes counted per record on top of its key, scope and response, for the byte cap.
@@ -134,6 +134,8 @@ struct Flight {
     fingerprint: Fingerprint,
     fence: u64,
     lease_until: Millis,
+    /// Set by [`Store::hold`].
+    held: Option<HoldReason>,
     waiters: Option<Arc<Notify>>,
 }
 
@@ -752,6 +754,7 @@ impl Store for MemoryStore {
                         fingerprint: req.fingerprint,
                         fence,
                         lease_until: until,
+                        held: None,
                         waiters: None,
                     }));
                     s.table.insert_unique(hash, slot, |sl| sh.hash(sl.key()));
@@ -868,6 +871,34 @@ impl Store for MemoryStore {
         })
     }
 
+    async fn hold(
+        &self,
+        lease: &Lease,
+        reason: HoldReason,
+        hold_for: Duration,
+    ) -> Result<Lease, StoreError> {
+        let now = self.clock.now();
+        let sh = &*self.inner;
+        let k = KeyRef::of(&lease.scope, &lease.key);
+        let hash = sh.hash(k);
+        let mut s = sh.lock(sh.shard_of(hash));
+        let Shard { table, leases, .. } = &mut *s;
+        match table.find_mut(hash, |sl| sl.key() == k) {
+            Some(Slot::Flight(f)) if f.fence == lease.fence => {
+                let until = f.lease_until.max(now.add(hold_for));
+                leases.remove(&(f.lease_until, f.fence, hash));
+                leases.insert((until, f.fence, hash));
+                f.lease_until = until;
+                f.held = Some(reason);
+                Ok(Lease {
+                    until,
+                    ..lease.clone()
+                })
+            }
+            _ => Err(lease_lost(lease.fence)),
+        }
+    }
+
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         let now = self.clock.now();
         let sh = &*self.inner;
@@ -879,6 +910,7 @@ impl Store for MemoryStore {
                 Slot::Flight(f) if f.lease_until > now => RecordState::InProgress {
                     fence: f.fence,
                     lease_until: f.lease_until,
+                    held: f.held,
                 },
                 Slot::Done(d) if Millis(read_u64(d, EXPIRES)) > now => RecordState::Completed {
                     response: decode_response(d),
@@ -1018,6 +1050,7 @@ enum Snapshot {
         fingerprint: Fingerprint,
         fence: u64,
         lease_until: Millis,
+        held: Option<HoldReason>,
     },
 }
 
@@ -1070,6 +1103,7 @@ impl Listed {
                 fingerprint,
                 fence,
                 lease_until,
+                held,
             } => {
                 let sl = usize::from(key[0]);
                 (
@@ -1078,6 +1112,7 @@ impl Listed {
                     RecordState::InProgress {
                         fence: *fence,
                         lease_until: *lease_until,
+                        held: *held,
                     },
                 )
             }
@@ -1144,6 +1179,7 @@ impl KeyAdmin for MemoryStore {
                         fingerprint: f.fingerprint,
                         fence: f.fence,
                         lease_until: f.lease_until,
+                        held: f.held,
                     },
                 };
                 best.push(Reverse(Listed { pos, snap }));

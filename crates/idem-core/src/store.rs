@@ -5,6 +5,7 @@
 //!  InProgress --complete(fence)--> Completed{fingerprint, response, expires_at}
 //!  InProgress --release(fence)---> (absent)            # retryable failure
 //!  InProgress --lease expired, begin--> InProgress{fence'} # crash recovery, fence' > fence
+//!  InProgress --hold(fence, reason)--> InProgress{held: reason}   # outcome unknown
 //!  Completed --expires_at passed--> (absent)
 //! ```
 //!
@@ -80,6 +81,71 @@ pub enum Begin {
     Mismatch,
 }
 
+/// Why a key is held: its operation may have taken effect, but no result
+/// was stored, so the key is kept in flight (duplicates get
+/// [`Begin::InFlight`], another request [`Begin::Mismatch`]) instead of
+/// being run again, until its lease ends or an operator settles it
+/// (`idem keys release` / `idem keys complete`: [`Store::release`] /
+/// [`Store::complete`] with the record's fence).
+///
+/// Written by [`Store::hold`]; read back by [`Store::get`] as
+/// [`RecordState::InProgress::held`]. Stores keep it as its
+/// [`HoldReason::as_str`] name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HoldReason {
+    /// The operation did not answer in time (the gateway answered 504).
+    Timeout,
+    /// The answer started, then its body broke or stalled, so it could
+    /// neither be stored nor known to have had no effect.
+    BrokenBody,
+    /// The result could not be saved (the store failed through
+    /// [`crate::EngineConfig::save_wait`]).
+    SaveFailed,
+    /// The operation's future was dropped before it finished
+    /// ([`crate::EngineConfig::on_cancel`]): it may still have had its effect.
+    Cancelled,
+    /// The operation asked to be held ([`crate::Action::Hold`]) for a
+    /// reason of its own, e.g. a result that cannot be encoded.
+    Unknown,
+}
+
+impl HoldReason {
+    /// Every reason, for listings and tests.
+    pub const ALL: [HoldReason; 5] = [
+        HoldReason::Timeout,
+        HoldReason::BrokenBody,
+        HoldReason::SaveFailed,
+        HoldReason::Cancelled,
+        HoldReason::Unknown,
+    ];
+
+    /// The stable name stores keep and tools print: `timeout`,
+    /// `broken-body`, `save-failed`, `cancelled`, `unknown`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HoldReason::Timeout => "timeout",
+            HoldReason::BrokenBody => "broken-body",
+            HoldReason::SaveFailed => "save-failed",
+            HoldReason::Cancelled => "cancelled",
+            HoldReason::Unknown => "unknown",
+        }
+    }
+
+    /// The reason named `name` ([`Self::as_str`]); `None` for another name.
+    pub fn parse(name: &[u8]) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|r| r.as_str().as_bytes() == name)
+    }
+}
+
+impl std::fmt::Display for HoldReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A record's state, as [`Store::get`] returns it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordState {
@@ -89,6 +155,9 @@ pub enum RecordState {
         fence: u64,
         /// When the lease ends.
         lease_until: Millis,
+        /// `Some` once the run ended with an unknown outcome and the key was
+        /// held ([`Store::hold`]); `None` while it runs (or its holder died).
+        held: Option<HoldReason>,
     },
     /// Done; replayed until `expires_at`.
     Completed {
@@ -161,6 +230,27 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// [`StoreError::LeaseLost`] when the fence is not current or the key
     /// completed; availability errors.
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError>;
+
+    /// Holds the key of a run whose outcome is unknown: marks the record
+    /// held by `lease` with `reason` and moves its lease end to
+    /// `max(current end, store-now + hold_for)` (millisecond precision; a
+    /// zero `hold_for` keeps the end). Only while the fence is current and
+    /// the record is in progress. Returns the lease with its new end.
+    ///
+    /// A held record answers `begin` as any in-flight record does; once its
+    /// lease ends the same request may take it over (and the mark is
+    /// gone). An operator settles it earlier with [`Store::release`] or
+    /// [`Store::complete`] under the record's fence.
+    ///
+    /// # Errors
+    /// [`StoreError::LeaseLost`] when the fence is not current or the key
+    /// completed; availability errors.
+    async fn hold(
+        &self,
+        lease: &Lease,
+        reason: HoldReason,
+        hold_for: Duration,
+    ) -> Result<Lease, StoreError>;
 
     /// Reads a record; `None` when absent or expired.
     ///
@@ -235,6 +325,14 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
         (**self).extend(lease, lease_for).await
+    }
+    async fn hold(
+        &self,
+        lease: &Lease,
+        reason: HoldReason,
+        hold_for: Duration,
+    ) -> Result<Lease, StoreError> {
+        (**self).hold(lease, reason, hold_for).await
     }
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         (**self).get(scope, key).await

@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Begin, BeginRequest, DynStore, IdempotencyKey, Lease, Phase, Record, Scope, Store, StoreError,
-    StoredResponse,
+    Begin, BeginRequest, DynStore, HoldReason, IdempotencyKey, Lease, Phase, Record, Scope, Store,
+    StoreError, StoredResponse,
 };
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -289,6 +289,23 @@ impl Store for GuardedStore {
             Phase::Extend,
             self.timeout,
             self.inner.extend(lease, lease_for),
+        )
+        .await
+    }
+
+    // A `hold` cut off by the timeout that lands later only marks this
+    // run's own record (the fence must be current) and moves its lease end
+    // forward; until it lands the key is in flight all the same.
+    async fn hold(
+        &self,
+        lease: &Lease,
+        reason: HoldReason,
+        hold_for: Duration,
+    ) -> Result<Lease, StoreError> {
+        bounded(
+            Phase::Hold,
+            self.timeout,
+            self.inner.hold(lease, reason, hold_for),
         )
         .await
     }

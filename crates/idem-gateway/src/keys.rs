@@ -10,6 +10,7 @@
 //!   "scope": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
 //!   "key_hash": "5e2bf57d3f40c4b6",
 //!   "state": "in-flight",
+//!   "held": "timeout",
 //!   "fingerprint": "2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae",
 //!   "fence": 1764637200123000,
 //!   "lease_until": "2025-12-02T01:00:30.123Z",
@@ -24,6 +25,13 @@
 //!   from the caller's `--scope-header` fields) or `anonymous`.
 //! - `key_hash`: [`idem_core::key_hash`], how logs and traces name the key.
 //! - `state`: `in-flight` or `completed`.
+//! - `held`: in flight only: `null` while the request runs (or its holder
+//!   died), else why its outcome is unknown and the key is held
+//!   ([`idem_core::HoldReason`]: `timeout`, `broken-body`, `save-failed`,
+//!   `cancelled`, `unknown`). A held key is the operator's to settle:
+//!   [`delete`] releases it (the next request runs), [`complete`] stores
+//!   the answer duplicates get; untouched, it frees itself when its lease
+//!   (at least `--hold-for`) ends.
 //! - `fence`, `lease_until`, `lease_until_ms`: in flight only (else
 //!   `null`); times are RFC 3339 in UTC with milliseconds, and the same
 //!   instant in milliseconds since the Unix epoch, by the store's clock.
@@ -38,8 +46,8 @@
 //!   shown: they may carry customer data.
 //!
 //! A listing is `{"records": [KeyRecord, …], "next": "cursor" | null,
-//! "newest_first": true}` ([`KeyPage`]); a deletion is [`Deleted`]; a purge
-//! is `{"purged": 12}`.
+//! "newest_first": true}` ([`KeyPage`]); a deletion is [`Deleted`]; an
+//! operator's completion is [`Completed`]; a purge is `{"purged": 12}`.
 
 use std::fmt;
 use std::future::Future;
@@ -65,6 +73,10 @@ pub struct KeyRecord {
     pub key_hash: String,
     /// `in-flight` or `completed`.
     pub state: String,
+    /// Why an in-flight key is held ([`idem_core::HoldReason::as_str`]);
+    /// `None` while it runs, and for a completed key.
+    #[serde(default)]
+    pub held: Option<String>,
     /// The request fingerprint, 64 hex digits.
     pub fingerprint: String,
     /// The fence of the claim (in flight only).
@@ -114,6 +126,7 @@ impl KeyRecord {
             scope: scope.as_str().to_owned(),
             key_hash: key_hash(scope, key),
             state: String::new(),
+            held: None,
             fingerprint: record.fingerprint.to_hex(),
             fence: None,
             lease_until: None,
@@ -123,8 +136,13 @@ impl KeyRecord {
             response: None,
         };
         match &record.state {
-            RecordState::InProgress { fence, lease_until } => {
+            RecordState::InProgress {
+                fence,
+                lease_until,
+                held,
+            } => {
                 r.state = STATE_IN_FLIGHT.to_owned();
+                r.held = held.map(|h| h.as_str().to_owned());
                 r.fence = Some(*fence);
                 r.lease_until = Some(rfc3339(*lease_until));
                 r.lease_until_ms = Some(lease_until.0);
@@ -226,6 +244,18 @@ pub enum KeysError {
     /// deleted; look at the record again.
     #[error("the record changed while it was being deleted (its claim completed, was released or was taken over); nothing was deleted: look at it again")]
     Changed,
+    /// [`complete`] found the key completed already: its stored answer
+    /// stands (delete it first to replace it).
+    #[error("the key is completed already; its stored response stands (delete the key first to replace it)")]
+    AlreadyCompleted,
+    /// [`complete`] found the key in flight and not held: its request may
+    /// still be running and finish by itself. Wait for it, or force it.
+    #[error("the key is in flight and not held: its request may still be running and store its own result; wait until it is held or gone, or force the completion")]
+    NotHeld,
+    /// [`complete`] was given a response it cannot store (a status outside
+    /// 100..=599, a bad header).
+    #[error("{0}")]
+    BadResponse(String),
 }
 
 async fn bounded<T>(
@@ -300,7 +330,9 @@ pub async fn delete(
     };
     let record = Some(KeyRecord::new(scope, key, &raw));
     let existed = match raw.state {
-        RecordState::InProgress { fence, lease_until } => {
+        RecordState::InProgress {
+            fence, lease_until, ..
+        } => {
             let lease = Lease {
                 scope: scope.clone(),
                 key: key.clone(),
@@ -325,6 +357,184 @@ pub async fn delete(
         key_hash: key_hash(scope, key),
         record,
     }))
+}
+
+/// An operator's answer for a held key, as `idem keys complete` and
+/// `POST /keys/{scope}/{key}/complete` take it:
+/// `{"status": 201, "headers": {"content-type": "application/json"},
+/// "body": "{\"id\":7}", "ttl": "24h", "force": false}`.
+///
+/// - `status`: 100..=599.
+/// - `headers`: optional, name → value; names and values as HTTP allows
+///   (visible ASCII values). `idempotent-replayed` is added on replay.
+/// - `body`: optional text (default empty).
+/// - `ttl`: optional duration (`90s`, `24h`), how long the answer is
+///   replayed; default 24 h ([`idem_core::DEFAULT_TTL`]).
+/// - `force`: complete a key that is in flight and not held (its request
+///   may still be running; its own result then loses). Default `false`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompleteRequest {
+    /// The HTTP status duplicates get.
+    pub status: u16,
+    /// Header fields duplicates get.
+    #[serde(default)]
+    pub headers: std::collections::BTreeMap<String, String>,
+    /// The body duplicates get.
+    #[serde(default)]
+    pub body: String,
+    /// How long the answer is replayed (humantime: `24h`).
+    #[serde(default)]
+    pub ttl: Option<String>,
+    /// Complete a key that is not held.
+    #[serde(default)]
+    pub force: bool,
+}
+
+impl CompleteRequest {
+    /// The stored response and TTL this request asks for.
+    ///
+    /// # Errors
+    /// [`KeysError::BadResponse`] for a status outside 100..=599, a header
+    /// name or value HTTP refuses, or a TTL that does not parse or is 0.
+    pub fn to_response(&self) -> Result<(idem_core::StoredResponse, Duration), KeysError> {
+        let bad = |m: String| KeysError::BadResponse(m);
+        if !(100..=599).contains(&self.status) {
+            return Err(bad(format!(
+                "status {} is not an HTTP status (100..=599)",
+                self.status
+            )));
+        }
+        let mut resp = idem_core::StoredResponse::new(self.status, self.body.clone().into_bytes());
+        for (name, value) in &self.headers {
+            let n = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| bad(format!("{name:?} is not a header name")))?;
+            HeaderValue::from_str(value)
+                .map_err(|_| bad(format!("the value of {name:?} is not a valid header value")))?;
+            resp.headers
+                .push((n.as_str().to_owned(), value.clone().into_bytes()));
+        }
+        let ttl = match &self.ttl {
+            None => idem_core::DEFAULT_TTL,
+            Some(t) => humantime::parse_duration(t).map_err(|e| bad(format!("ttl {t:?}: {e}")))?,
+        };
+        if ttl.is_zero() {
+            return Err(bad("ttl 0 would forget the answer at once".to_owned()));
+        }
+        Ok((resp, ttl))
+    }
+}
+
+/// What an operator's completion stored:
+/// `{"completed": true, "key": …, "scope": …, "key_hash": …, "fence": 17, "record": KeyRecord}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Completed {
+    /// Always `true`.
+    pub completed: bool,
+    /// The key.
+    pub key: String,
+    /// The scope.
+    pub scope: String,
+    /// [`idem_core::key_hash`] of scope and key.
+    pub key_hash: String,
+    /// The fence of the claim that was completed.
+    pub fence: u64,
+    /// The record as it is now (completed), or `None` when it could not be
+    /// read back.
+    pub record: Option<KeyRecord>,
+}
+
+/// Settles a held key with an operator's answer: stores `response` for
+/// `key` in `scope` for `ttl`, so every duplicate gets it replayed and the
+/// request is never run again (e.g. after checking in the upstream's own
+/// records that the charge went through). Each store call is bounded by
+/// `timeout`; `None` when [`get`] sees no record (absent, or a claim
+/// whose lease ended).
+///
+/// A [`Store::complete`] under the fence just read: a compare-and-set, so
+/// a claim that completed or changed hands in between is left alone
+/// ([`KeysError::Changed`]). Only a held key is completed unless `force`
+/// is set: a key in flight and not held may still be running
+/// ([`KeysError::NotHeld`]); its own late result then loses (its fence is
+/// no longer current).
+///
+/// # Errors
+/// [`KeysError::AlreadyCompleted`], [`KeysError::NotHeld`],
+/// [`KeysError::Changed`]; the store's errors ([`StoreError::Timeout`]
+/// after `timeout`: the answer may or may not have been stored).
+pub async fn complete(
+    store: &dyn Store,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    response: &idem_core::StoredResponse,
+    ttl: Duration,
+    force: bool,
+    timeout: Duration,
+) -> Result<Option<Completed>, KeysError> {
+    if !(100..=599).contains(&response.status) {
+        return Err(KeysError::BadResponse(format!(
+            "status {} is not an HTTP status (100..=599)",
+            response.status
+        )));
+    }
+    let Some(raw) = bounded(Phase::Get, timeout, store.get(scope, key)).await? else {
+        return Ok(None);
+    };
+    let (fence, lease_until) = match raw.state {
+        RecordState::Completed { .. } => return Err(KeysError::AlreadyCompleted),
+        RecordState::InProgress { held: None, .. } if !force => return Err(KeysError::NotHeld),
+        RecordState::InProgress {
+            fence, lease_until, ..
+        } => (fence, lease_until),
+    };
+    let lease = Lease {
+        scope: scope.clone(),
+        key: key.clone(),
+        fence,
+        until: lease_until,
+        took_over: false,
+    };
+    match bounded(
+        Phase::Complete,
+        timeout,
+        store.complete(&lease, response, ttl),
+    )
+    .await
+    {
+        Ok(()) => {}
+        Err(StoreError::LeaseLost { .. }) => return Err(KeysError::Changed),
+        Err(e) => return Err(e.into()),
+    }
+    let record = bounded(Phase::Get, timeout, store.get(scope, key))
+        .await
+        .ok()
+        .flatten()
+        .map(|r| KeyRecord::new(scope, key, &r));
+    Ok(Some(Completed {
+        completed: true,
+        key: key.as_str().to_owned(),
+        scope: scope.as_str().to_owned(),
+        key_hash: key_hash(scope, key),
+        fence,
+        record,
+    }))
+}
+
+/// Logs an operator's completion at WARN, one line, as [`log_deleted`]
+/// does: who, through what, which key (`key_hash`, `scope`, `fence`), the
+/// stored status, and when.
+pub fn log_completed(c: &Completed, status: u16, by: &str, via: &str) {
+    let at = humantime::format_rfc3339_millis(SystemTime::now()).to_string();
+    tracing::warn!(
+        by,
+        via,
+        key_hash = %c.key_hash,
+        scope = %c.scope,
+        fence = c.fence,
+        status,
+        at = %at,
+        "idem key completed by an operator"
+    );
 }
 
 /// Removes expired records ([`Store::purge_expired`]), bounded by `timeout`.
@@ -488,6 +698,7 @@ mod tests {
             state: RecordState::InProgress {
                 fence: 7,
                 lease_until: Millis(1_764_637_230_123),
+                held: None,
             },
         };
         let v = serde_json::to_value(KeyRecord::new(&scope, &key, &rec)).unwrap();
@@ -499,7 +710,21 @@ mod tests {
         assert_eq!(v["lease_until"], "2025-12-02T01:00:30.123Z");
         assert_eq!(v["lease_until_ms"], 1_764_637_230_123u64);
         assert!(v["expires_at"].is_null() && v["response"].is_null());
-        assert_eq!(v.as_object().unwrap().len(), 11);
+        assert!(v["held"].is_null());
+        assert_eq!(v.as_object().unwrap().len(), 12);
+        let held = Record {
+            fingerprint: Fingerprint::of(b"x"),
+            state: RecordState::InProgress {
+                fence: 7,
+                lease_until: Millis(1_764_637_230_123),
+                held: Some(idem_core::HoldReason::Timeout),
+            },
+        };
+        let v = serde_json::to_value(KeyRecord::new(&scope, &key, &held)).unwrap();
+        assert_eq!(
+            (&v["state"], &v["held"]),
+            (&"in-flight".into(), &"timeout".into())
+        );
 
         let mut resp = StoredResponse::new(201, "hello");
         resp.headers.push(("location".into(), b"/p/1".to_vec()));
@@ -628,6 +853,14 @@ mod tests {
         ) -> Result<idem_core::Lease, StoreError> {
             self.0.extend(lease, lease_for).await
         }
+        async fn hold(
+            &self,
+            lease: &idem_core::Lease,
+            reason: idem_core::HoldReason,
+            hold_for: Duration,
+        ) -> Result<idem_core::Lease, StoreError> {
+            self.0.hold(lease, reason, hold_for).await
+        }
         async fn get(
             &self,
             scope: &Scope,
@@ -723,6 +956,14 @@ mod tests {
             async fn extend(
                 &self,
                 _: &idem_core::Lease,
+                _: Duration,
+            ) -> Result<idem_core::Lease, StoreError> {
+                std::future::pending().await
+            }
+            async fn hold(
+                &self,
+                _: &idem_core::Lease,
+                _: idem_core::HoldReason,
                 _: Duration,
             ) -> Result<idem_core::Lease, StoreError> {
                 std::future::pending().await

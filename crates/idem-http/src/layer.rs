@@ -438,6 +438,18 @@ impl IdempotencyLayer {
         /// ```
         with_share_failure(share_failure: Duration);
 
+        /// How long a key whose outcome is unknown (504, broken body) stays
+        /// held before a retry may run it again (default 0: until its lease
+        /// ends; see [`Options::hold_for`]).
+        ///
+        /// ```
+        /// use std::time::Duration;
+        /// let layer = idem_http::IdempotencyLayer::new(idem_core::MemoryStore::new())
+        ///     .with_hold_for(Duration::from_secs(3600));
+        /// assert_eq!(layer.options().hold_for, Duration::from_secs(3600));
+        /// ```
+        with_hold_for(hold_for: Duration);
+
 
         /// Whether passed-through requests (unguarded methods, guarded ones
         /// without a key) are logged too (default false; see

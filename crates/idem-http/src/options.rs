@@ -82,6 +82,13 @@ pub struct Options {
     /// failure too).
     /// See [`idem_core::Action::ReleaseWith`].
     pub share_failure: Duration,
+    /// How long a key whose outcome is unknown (a 504, a broken response
+    /// body, a cancelled run, a save given up) stays held before a retry
+    /// may run it again: its lease end moves to at least now + `hold_for`
+    /// (default [`EngineConfig::default`]'s, 0: until its lease ends).
+    /// An operator settles a held key earlier (`idem keys delete` /
+    /// `complete`). See [`idem_core::EngineConfig::hold_for`].
+    pub hold_for: Duration,
     /// Which statuses are stored, released or held (default
     /// [`crate::default_policy`]: 1xx–4xx except 408, 409, 425, 429 are
     /// stored, the rest released; see [`StatusPolicy`] for overrides).
@@ -180,6 +187,7 @@ impl Default for Options {
             ttl: engine.ttl,
             wait: engine.wait,
             share_failure: engine.share_failure,
+            hold_for: engine.hold_for,
             policy: StatusPolicy::default(),
             key_source: KeySource::default(),
             fingerprint: FingerprintSpec::default(),
@@ -227,8 +235,9 @@ impl Options {
             ttl: self.ttl,
             wait: self.wait,
             share_failure: self.share_failure,
+            hold_for: self.hold_for,
             watchdog: true,
-            on_cancel: Action::Hold,
+            on_cancel: Action::Hold(idem_core::HoldReason::Cancelled),
             ..EngineConfig::default()
         }
     }
@@ -306,7 +315,7 @@ mod tests {
         );
         let c = o.engine_config();
         assert!(c.watchdog);
-        assert_eq!(c.on_cancel, Action::Hold);
+        assert_eq!(c.on_cancel, Action::Hold(idem_core::HoldReason::Cancelled));
         assert!(o.require_token.is_empty());
         assert_eq!(o.token_ttl, Duration::from_secs(3600));
         assert!(o.fail_open.is_none());

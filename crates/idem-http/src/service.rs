@@ -11,7 +11,8 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idem_core::token::{SubmitTokens, TokenOutcome};
 use idem_core::{
-    Action, DynStore, Engine, Fingerprint, IdempotencyKey, Outcome, Saved, Scope, StoreError,
+    Action, DynStore, Engine, Fingerprint, HoldReason, IdempotencyKey, Outcome, Saved, Scope,
+    StoreError,
 };
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
@@ -1145,7 +1146,14 @@ where
                 );
             }
         },
-        Disposition::Hold => (body, Action::Hold),
+        Disposition::Hold => {
+            let reason = if parts.status == StatusCode::GATEWAY_TIMEOUT {
+                HoldReason::Timeout
+            } else {
+                HoldReason::Unknown
+            };
+            (body, Action::Hold(reason))
+        }
         Disposition::Store => match capture(body, retention_limit).await {
             Captured::Complete { data, trailers } => {
                 let stored = to_stored(parts.status, &parts.headers, data.clone(), false);
@@ -1173,9 +1181,12 @@ where
                     status = parts.status.as_u16(),
                     received = prefix.len(),
                     error = %error,
-                    "the response body failed while it was buffered; answering 502, the key is held until its lease ends"
+                    "the response body failed while it was buffered; answering 502, the key is held"
                 );
-                return (body_failed(parts.status, prefix.len(), false), Action::Hold);
+                return (
+                    body_failed(parts.status, prefix.len(), false),
+                    Action::Hold(HoldReason::BrokenBody),
+                );
             }
         },
     };

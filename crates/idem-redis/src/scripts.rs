@@ -88,11 +88,14 @@ pub(crate) static BEGIN: LazyLock<Lua> = lua!("begin.lua");
 pub(crate) static COMPLETE: LazyLock<Lua> = lua!("complete.lua");
 pub(crate) static RELEASE: LazyLock<Lua> = lua!("release.lua");
 pub(crate) static EXTEND: LazyLock<Lua> = lua!("extend.lua");
+pub(crate) static HOLD: LazyLock<Lua> = lua!("hold.lua");
 pub(crate) static GET: LazyLock<Lua> = lua!("get.lua");
 pub(crate) static DELETE: LazyLock<Lua> = lua!("delete.lua");
 pub(crate) static PURGE: LazyLock<Lua> = lua!("purge.lua");
 
 /// Every script, for loading them all at connect time.
-pub(crate) fn all() -> [&'static Lua; 7] {
-    [&BEGIN, &COMPLETE, &RELEASE, &EXTEND, &GET, &DELETE, &PURGE]
+pub(crate) fn all() -> [&'static Lua; 8] {
+    [
+        &BEGIN, &COMPLETE, &RELEASE, &EXTEND, &HOLD, &GET, &DELETE, &PURGE,
+    ]
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::admin::{ListPage, ListQuery, ListedRecord, StateFilter};
 use idem_core::{
-    duration_ms, Begin, BeginRequest, Fingerprint, IdempotencyKey, KeyAdmin, Lease, Millis, Phase,
-    Record, RecordState, Scope, Store, StoreError, StoredResponse,
+    duration_ms, Begin, BeginRequest, Fingerprint, HoldReason, IdempotencyKey, KeyAdmin, Lease,
+    Millis, Phase, Record, RecordState, Scope, Store, StoreError, StoredResponse,
 };
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::Value;
@@ -190,7 +190,10 @@ impl RedisStore {
         let read = self.read(keys, phase).await?;
         Ok(match read.record(phase)? {
             Some(Record {
-                state: RecordState::InProgress { fence, lease_until },
+                state:
+                    RecordState::InProgress {
+                        fence, lease_until, ..
+                    },
                 ..
             }) => Some((fence, read.now.until(lease_until))),
             _ => None,
@@ -466,6 +469,46 @@ impl Store for RedisStore {
             _ => Err(StoreError::corrupt(
                 P,
                 format!("unexpected answer from extend.lua: {reply:?}"),
+            )),
+        }
+    }
+
+    /// `hold.lua`: writes the reason into the record's `response` field and
+    /// moves `lease_until` to at least server time + `hold_for`, only while
+    /// the record is in progress with exactly `lease.fence`.
+    async fn hold(
+        &self,
+        lease: &Lease,
+        reason: HoldReason,
+        hold_for: Duration,
+    ) -> Result<Lease, StoreError> {
+        const P: Phase = Phase::Hold;
+        let keys = self.keys(&lease.scope, &lease.key);
+        let fence = lease.fence.to_string();
+        let hold_ms = ms(hold_for).to_string();
+        let keep = self.keep_ms().to_string();
+        let reply = self
+            .run(
+                P,
+                &scripts::HOLD,
+                &[&keys.record, &keys.fence],
+                &[
+                    fence.as_bytes(),
+                    hold_ms.as_bytes(),
+                    keep.as_bytes(),
+                    reason.as_str().as_bytes(),
+                ],
+            )
+            .await?;
+        match int(&reply) {
+            Some(-1) => Err(StoreError::LeaseLost { fence: lease.fence }),
+            Some(until) if until >= 0 => Ok(Lease {
+                until: Millis(until.unsigned_abs()),
+                ..lease.clone()
+            }),
+            _ => Err(StoreError::corrupt(
+                P,
+                format!("unexpected answer from hold.lua: {reply:?}"),
             )),
         }
     }
@@ -905,7 +948,21 @@ impl Read {
                 if lease_until <= self.now && !ended_claims {
                     return Ok(None);
                 }
-                RecordState::InProgress { fence, lease_until }
+                let held = field(5)
+                    .map(|b| {
+                        HoldReason::parse(b).ok_or_else(|| {
+                            StoreError::corrupt(
+                                phase,
+                                "in-progress record with an unknown hold reason",
+                            )
+                        })
+                    })
+                    .transpose()?;
+                RecordState::InProgress {
+                    fence,
+                    lease_until,
+                    held,
+                }
             }
             Some(b"completed") => {
                 let expires_at = Millis(number(4, "expires_at")?);

@@ -206,6 +206,20 @@ impl RawRecord {
             .map_err(|e| StoreError::corrupt(phase, format!("stored response: {e}")))
     }
 
+    /// Why an in-progress record is held: its `response` column holds the
+    /// [`HoldReason`](idem_core::HoldReason)'s name once `hold` wrote it
+    /// (`NULL` while the claim runs; `begin` clears it on a takeover).
+    pub(crate) fn held(&self, phase: Phase) -> Result<Option<idem_core::HoldReason>, StoreError> {
+        self.response
+            .as_deref()
+            .map(|b| {
+                idem_core::HoldReason::parse(b).ok_or_else(|| {
+                    StoreError::corrupt(phase, "in-progress record with an unknown hold reason")
+                })
+            })
+            .transpose()
+    }
+
     /// Whether the record is live at `now` (in progress before its lease
     /// end, or completed before its expiry).
     pub(crate) fn is_live(&self, now: i64) -> bool {
@@ -276,6 +290,7 @@ impl RawRecord {
             IN_PROGRESS => idem_core::RecordState::InProgress {
                 fence: self.fence(phase)?,
                 lease_until: self.until(),
+                held: self.held(phase)?,
             },
             COMPLETED => idem_core::RecordState::Completed {
                 response: self.response(phase)?,

@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::admin::{ListPage, ListQuery};
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope, Store, StoreError,
-    StoredResponse,
+    Begin, BeginRequest, HoldReason, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope, Store,
+    StoreError, StoredResponse,
 };
 use rand::Rng;
 use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlRow};
@@ -154,8 +154,10 @@ impl MySqlOptions {
 ///   fence = ? AND state = 0`. Their success is read from the affected-row
 ///   count where the row always changes (sqlx sets `CLIENT_FOUND_ROWS`, so
 ///   MySQL reports *matched* rows, but this store does not depend on it):
-///   `extend` may rewrite an unchanged deadline, so it also reads
+///   `extend` and `hold` may rewrite an unchanged deadline, so they also read
 ///   `LAST_INSERT_ID(expr)`, which is evaluated only for a matched row.
+///   A held key is an in-progress row whose `response` holds the hold
+///   reason's name (`NULL` while the claim runs; cleared on a takeover).
 ///
 /// # InnoDB behaviour relied on (MySQL "Locks Set by Different SQL
 /// Statements in InnoDB"; MariaDB "InnoDB Lock Modes")
@@ -221,6 +223,7 @@ struct Statements {
     complete: String,
     release: String,
     extend: String,
+    hold: String,
     delete: String,
     purge: String,
     fence_max: String,
@@ -285,6 +288,11 @@ impl Statements {
             extend: format!(
                 "UPDATE {records} SET deadline = LAST_INSERT_ID({NOW_MS} + ?) \
                  WHERE scope = ? AND `key` = ? AND fence = ? AND state = 0"
+            ),
+            // ? hold for, reason, scope, key, fence.
+            hold: format!(
+                "UPDATE {records} SET deadline = LAST_INSERT_ID(GREATEST(deadline, {NOW_MS} + ?)), \
+                 response = ? WHERE scope = ? AND `key` = ? AND fence = ? AND state = 0"
             ),
             delete: format!("DELETE FROM {records} WHERE scope = ? AND `key` = ?"),
             // ? batch size.
@@ -509,6 +517,35 @@ impl MySqlStore {
         q: impl Fn() -> sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>,
     ) -> Result<sqlx::mysql::MySqlQueryResult, StoreError> {
         with_retries(phase, || self.attempt(phase, q().execute(&self.inner.pool))).await
+    }
+
+    /// The lease end an `extend` or `hold` statement (`deadline =
+    /// LAST_INSERT_ID(…)`) wrote: `LAST_INSERT_ID(expr)` runs only for a
+    /// matched row and reports the new end, also when it equals the old one
+    /// (no "change", so 0 rows affected: then the row is read to tell a
+    /// kept lease from a lost one).
+    async fn lease_end(
+        &self,
+        phase: Phase,
+        lease: &Lease,
+        done: &sqlx::mysql::MySqlQueryResult,
+    ) -> Result<Lease, StoreError> {
+        let until = match done.last_insert_id() {
+            0 if done.rows_affected() == 0 => {
+                return Err(StoreError::LeaseLost { fence: lease.fence })
+            }
+            0 => match self.read(phase, &lease.scope, &lease.key).await? {
+                Some((raw, _)) if raw.state == IN_PROGRESS && raw.fence == to_i64(lease.fence) => {
+                    raw.deadline
+                }
+                _ => return Err(StoreError::LeaseLost { fence: lease.fence }),
+            },
+            u => to_i64(u),
+        };
+        Ok(Lease {
+            until: millis(until),
+            ..lease.clone()
+        })
     }
 
     /// One round of `begin` on one connection: the plain read, and when the
@@ -841,24 +878,28 @@ impl Store for MySqlStore {
                 bind_lease(sqlx::query(sql).bind(common::span_ms(lease_for)), lease)
             })
             .await?;
-        // LAST_INSERT_ID(expr) runs only for a matched row and reports the
-        // new lease end, also when it equals the old one (no "change").
-        let until = match done.last_insert_id() {
-            0 if done.rows_affected() == 0 => {
-                return Err(StoreError::LeaseLost { fence: lease.fence })
-            }
-            0 => match self.read(P, &lease.scope, &lease.key).await? {
-                Some((raw, _)) if raw.state == IN_PROGRESS && raw.fence == to_i64(lease.fence) => {
-                    raw.deadline
-                }
-                _ => return Err(StoreError::LeaseLost { fence: lease.fence }),
-            },
-            u => to_i64(u),
-        };
-        Ok(Lease {
-            until: millis(until),
-            ..lease.clone()
-        })
+        self.lease_end(P, lease, &done).await
+    }
+
+    async fn hold(
+        &self,
+        lease: &Lease,
+        reason: HoldReason,
+        hold_for: Duration,
+    ) -> Result<Lease, StoreError> {
+        const P: Phase = Phase::Hold;
+        let sql = &self.inner.sql.hold;
+        let done = self
+            .execute(P, || {
+                bind_lease(
+                    sqlx::query(sql)
+                        .bind(common::span_ms(hold_for))
+                        .bind(reason.as_str().as_bytes()),
+                    lease,
+                )
+            })
+            .await?;
+        self.lease_end(P, lease, &done).await
     }
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {

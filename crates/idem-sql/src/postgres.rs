@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::admin::{ListPage, ListQuery};
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope, Store, StoreError,
-    StoredResponse,
+    Begin, BeginRequest, HoldReason, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope, Store,
+    StoreError, StoredResponse,
 };
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::Connection;
@@ -162,10 +162,12 @@ impl PostgresOptions {
 ///   response). A live record is answered from that read alone, without
 ///   attempting the insert: a replay is a pure read. See the comment on the
 ///   statement in the source for the reasoning about snapshots.
-/// - `complete`, `release`, `extend` are `UPDATE` / `DELETE … WHERE scope =
+/// - `complete`, `release`, `extend`, `hold` are `UPDATE` / `DELETE … WHERE scope =
 ///   $1 AND key = $2 AND fence = $3 AND state = 0`: zero rows means the fence
 ///   is no longer current ([`StoreError::LeaseLost`]). A lease that ran out
-///   without being taken over is still current.
+///   without being taken over is still current. A held key is an
+///   in-progress row whose `response` holds the hold reason's name (`NULL`
+///   while the claim runs; cleared on a takeover).
 ///
 /// So a first execution costs two round trips (`begin`, `complete`) and a
 /// replay one, once the pool's connections have prepared the statements
@@ -247,6 +249,7 @@ struct Statements {
     complete: String,
     release: String,
     extend: String,
+    hold: String,
     get: String,
     delete: String,
     purge: String,
@@ -363,6 +366,12 @@ impl Statements {
             extend: format!(
                 "UPDATE {records} SET deadline = {NOW_MS} + $1 \
                  WHERE scope = $2 AND key = $3 AND fence = $4 AND state = 0 \
+                 RETURNING deadline"
+            ),
+            // $1 hold for (ms), $2 reason, $3 scope, $4 key, $5 fence.
+            hold: format!(
+                "UPDATE {records} SET deadline = GREATEST(deadline, {NOW_MS} + $1), response = $2 \
+                 WHERE scope = $3 AND key = $4 AND fence = $5 AND state = 0 \
                  RETURNING deadline"
             ),
             // $1 scope, $2 key.
@@ -766,6 +775,34 @@ impl Store for PostgresStore {
         let rows = self
             .fetch_all(P, || {
                 bind_lease(sqlx::query(sql).bind(common::span_ms(lease_for)), lease)
+            })
+            .await?;
+        let Some(row) = rows.first() else {
+            return Err(StoreError::LeaseLost { fence: lease.fence });
+        };
+        let until: i64 = column(row, "deadline", P)?;
+        Ok(Lease {
+            until: millis(until),
+            ..lease.clone()
+        })
+    }
+
+    async fn hold(
+        &self,
+        lease: &Lease,
+        reason: HoldReason,
+        hold_for: Duration,
+    ) -> Result<Lease, StoreError> {
+        const P: Phase = Phase::Hold;
+        let sql = &self.inner.sql.hold;
+        let rows = self
+            .fetch_all(P, || {
+                bind_lease(
+                    sqlx::query(sql)
+                        .bind(common::span_ms(hold_for))
+                        .bind(reason.as_str().as_bytes()),
+                    lease,
+                )
             })
             .await?;
         let Some(row) = rows.first() else {

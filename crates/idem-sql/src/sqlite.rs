@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idem_core::admin::{ListPage, ListQuery};
 use idem_core::{
-    duration_ms, Begin, BeginRequest, Clock, IdempotencyKey, KeyAdmin, Lease, Phase, Record, Scope,
-    SharedClock, Store, StoreError, StoredResponse, SystemClock,
+    duration_ms, Begin, BeginRequest, Clock, HoldReason, IdempotencyKey, KeyAdmin, Lease, Phase,
+    Record, Scope, SharedClock, Store, StoreError, StoredResponse, SystemClock,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::sqlite::{
@@ -86,8 +86,11 @@ impl SqliteOptions {
 ///   from that one consistent read. Otherwise it claims the key inside a
 ///   `BEGIN IMMEDIATE` transaction (the write lock is taken before the
 ///   re-read, so two processes can never both read "free" and both claim).
-///   `complete`, `release`, `extend` and `delete` are single conditional
-///   statements (`UPDATE … WHERE fence = ?`), atomic on their own.
+///   `complete`, `release`, `extend`, `hold` and `delete` are single conditional
+///   statements (`UPDATE … WHERE fence = ?`), atomic on their own. A held
+///   key is an in-progress row whose `response` column holds the hold
+///   reason's name (`NULL` while the claim runs; the migration's columns
+///   are unchanged).
 /// - A busy database is waited for up to [`SqliteOptions::busy_timeout`]
 ///   (default 5 s); after that the call fails with
 ///   [`StoreError::Unavailable`] and has written nothing.
@@ -461,6 +464,38 @@ impl Store for SqliteStore {
         .await
         .map_err(unavailable(Phase::Extend))?;
         lease_kept(done.rows_affected() == 1, lease)?;
+        Ok(Lease {
+            until: millis(until),
+            ..lease.clone()
+        })
+    }
+
+    async fn hold(
+        &self,
+        lease: &Lease,
+        reason: HoldReason,
+        hold_for: Duration,
+    ) -> Result<Lease, StoreError> {
+        let _local = self.write_lock.lock().await;
+        let at_least = self.now().saturating_add(to_i64(duration_ms(hold_for)));
+        let row = sqlx::query(
+            "UPDATE idem_records SET deadline = MAX(deadline, ?1), response = ?2 \
+             WHERE scope = ?3 AND key = ?4 AND state = 0 AND fence = ?5 \
+             RETURNING deadline",
+        )
+        .bind(at_least)
+        .bind(reason.as_str().as_bytes())
+        .bind(lease.scope.as_str())
+        .bind(lease.key.as_str())
+        .bind(to_i64(lease.fence))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable(Phase::Hold))?;
+        let Some(row) = row else {
+            return Err(StoreError::LeaseLost { fence: lease.fence });
+        };
+        let until: i64 = sqlx::Row::try_get(&row, "deadline")
+            .map_err(|e| StoreError::corrupt(Phase::Hold, e.to_string()))?;
         Ok(Lease {
             until: millis(until),
             ..lease.clone()

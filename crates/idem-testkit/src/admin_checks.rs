@@ -131,7 +131,9 @@ async fn assert_as_get<S: Store>(store: &S, listed: &ListedRecord) {
 /// The in-progress record's fence and lease end.
 fn claim_of(r: &Record) -> (u64, Millis) {
     match &r.state {
-        RecordState::InProgress { fence, lease_until } => (*fence, *lease_until),
+        RecordState::InProgress {
+            fence, lease_until, ..
+        } => (*fence, *lease_until),
         other => panic!("expected an in-progress record, got {other:?}"),
     }
 }

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    Action, Begin, Engine, EngineConfig, Outcome, Record, RecordState, Saved, Store, StoreError,
-    StoredResponse,
+    Action, Begin, Engine, EngineConfig, HoldReason, Outcome, Record, RecordState, Saved, Store,
+    StoreError, StoredResponse,
 };
 
 use crate::faulty::{Fault, FaultyStore, Op};
@@ -43,7 +43,10 @@ fn saved<T: std::fmt::Debug>(out: &Outcome<T>) -> &Saved {
 /// CASES A1: 16 concurrent `execute`s of one key run the operation once;
 /// the others get `InFlight` (or the replay, if they came after it ended).
 pub async fn engine_runs_once_under_concurrency<H: Harness>(h: &H) {
-    let engine = Engine::with_config(h.store(), config(Duration::from_secs(30), Action::Hold));
+    let engine = Engine::with_config(
+        h.store(),
+        config(Duration::from_secs(30), Action::Hold(HoldReason::Cancelled)),
+    );
     let (scope, key) = (fresh_scope(), fresh_key("engine-race"));
     let runs = Arc::new(AtomicUsize::new(0));
     let outcomes = all_at_once(16, |_| {
@@ -87,7 +90,10 @@ pub async fn engine_runs_once_under_concurrency<H: Harness>(h: &H) {
 /// CASES C1: an operation that releases (an upstream 500) is run again by
 /// the retry, exactly once more; then the stored result is replayed.
 pub async fn engine_release_lets_retry_run<H: Harness>(h: &H) {
-    let engine = Engine::with_config(h.store(), config(Duration::from_secs(30), Action::Hold));
+    let engine = Engine::with_config(
+        h.store(),
+        config(Duration::from_secs(30), Action::Hold(HoldReason::Cancelled)),
+    );
     let (scope, key) = (fresh_scope(), fresh_key("engine-release"));
     let runs = AtomicUsize::new(0);
     let run = |action: Action| {
@@ -143,7 +149,10 @@ async fn run_and_drop<S: idem_core::Store + Clone>(
 pub async fn engine_cancel_hold_keeps_key_until_lease_end<H: Harness>(h: &H) {
     let store = h.store();
     let lease = Duration::from_secs(1);
-    let engine = Engine::with_config(store.clone(), config(lease, Action::Hold));
+    let engine = Engine::with_config(
+        store.clone(),
+        config(lease, Action::Hold(HoldReason::Cancelled)),
+    );
     let (scope, key) = (fresh_scope(), fresh_key("cancel-hold"));
     let fence = run_and_drop(&engine, &scope, &key).await;
     let r = req(&scope, &key, fp("a"), lease);
@@ -191,7 +200,7 @@ pub async fn engine_failed_save_holds_key<H: Harness>(h: &H) {
         EngineConfig {
             save_wait: Duration::ZERO,
             save_retry: Duration::ZERO,
-            ..config(lease, Action::Hold)
+            ..config(lease, Action::Hold(HoldReason::Cancelled))
         },
     );
     let scope = fresh_scope();
@@ -261,7 +270,10 @@ pub async fn engine_failed_save_holds_key<H: Harness>(h: &H) {
 pub async fn engine_watchdog_keeps_lease_alive<H: Harness>(h: &H) {
     let store = h.store();
     let lease = ms(300);
-    let engine = Engine::with_config(store.clone(), config(lease, Action::Hold));
+    let engine = Engine::with_config(
+        store.clone(),
+        config(lease, Action::Hold(HoldReason::Cancelled)),
+    );
     let (scope, key, r) = fresh_req("watchdog", lease);
     let out = engine
         .execute(&scope, &key, fp("a"), |held| {
@@ -276,7 +288,7 @@ pub async fn engine_watchdog_keeps_lease_alive<H: Harness>(h: &H) {
                     loop {
                         let rec = get(&store, &scope, &key).await;
                         match rec {
-                            Some(Record { state: RecordState::InProgress { fence, lease_until }, .. })
+                            Some(Record { state: RecordState::InProgress { fence, lease_until, .. }, .. })
                                 if fence == held.fence && lease_until > last =>
                             {
                                 last = lease_until;
@@ -313,12 +325,15 @@ pub async fn engine_watchdog_keeps_lease_alive<H: Harness>(h: &H) {
 /// never runs.
 pub async fn engine_wait_mode_replays<H: Harness>(h: &H) {
     let store = h.store();
-    let first = Engine::with_config(store.clone(), config(Duration::from_secs(30), Action::Hold));
+    let first = Engine::with_config(
+        store.clone(),
+        config(Duration::from_secs(30), Action::Hold(HoldReason::Cancelled)),
+    );
     let waiting = Engine::with_config(
         store.clone(),
         EngineConfig {
             wait: Duration::from_secs(10),
-            ..config(Duration::from_secs(30), Action::Hold)
+            ..config(Duration::from_secs(30), Action::Hold(HoldReason::Cancelled))
         },
     );
     let (scope, key) = (fresh_scope(), fresh_key("wait-mode"));
@@ -386,7 +401,7 @@ pub async fn engine_failed_save_is_retried_until_it_lands<H: Harness>(h: &H) {
         EngineConfig {
             save_wait: ms(50),
             save_retry: Duration::from_secs(20),
-            ..config(Duration::from_secs(2), Action::Hold)
+            ..config(Duration::from_secs(2), Action::Hold(HoldReason::Cancelled))
         },
     );
     let (scope, key) = (fresh_scope(), fresh_key("save-retry"));
@@ -447,7 +462,7 @@ pub async fn engine_waiters_share_a_released_failure<H: Harness>(h: &H) {
     let cfg = |wait| EngineConfig {
         wait,
         share_failure: window,
-        ..config(Duration::from_secs(30), Action::Hold)
+        ..config(Duration::from_secs(30), Action::Hold(HoldReason::Cancelled))
     };
     let waiting = Engine::with_config(h.store(), cfg(Duration::from_secs(10)));
     let (scope, key) = (fresh_scope(), fresh_key("share-failure"));
@@ -549,7 +564,7 @@ pub async fn engine_share_failure_zero_releases_at_once<H: Harness>(h: &H) {
         h.store(),
         EngineConfig {
             share_failure: Duration::ZERO,
-            ..config(Duration::from_secs(30), Action::Hold)
+            ..config(Duration::from_secs(30), Action::Hold(HoldReason::Cancelled))
         },
     );
     let (scope, key) = (fresh_scope(), fresh_key("share-zero"));
@@ -568,4 +583,69 @@ pub async fn engine_share_failure_zero_releases_at_once<H: Harness>(h: &H) {
         assert!(matches!(saved(&out), Saved::Released), "{out:?}");
     }
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// [`Action::Hold`] marks the key held with its reason and keeps it at
+/// least [`EngineConfig::hold_for`] past its lease (a duplicate then gets
+/// `InFlight`, not a second run); a save given up holds the key as
+/// [`HoldReason::SaveFailed`].
+pub async fn engine_hold_marks_the_key_with_its_reason<H: Harness>(h: &H) {
+    let faulty = FaultyStore::new(h.store());
+    let lease = Duration::from_secs(1);
+    let engine = Engine::with_config(
+        faulty.clone(),
+        EngineConfig {
+            save_wait: Duration::ZERO,
+            save_retry: Duration::ZERO,
+            hold_for: Duration::from_secs(3),
+            ..config(lease, Action::Hold(HoldReason::Cancelled))
+        },
+    );
+    let scope = fresh_scope();
+    let held = |rec: Option<Record>| match rec {
+        Some(Record {
+            state: RecordState::InProgress { held, .. },
+            ..
+        }) => held,
+        other => panic!("expected a record in progress, got {other:?}"),
+    };
+    let key = fresh_key("hold-timeout");
+    let out = engine
+        .execute(&scope, &key, fp("a"), |_| async {
+            ((), Action::Hold(HoldReason::Timeout))
+        })
+        .await
+        .expect("execute");
+    assert!(matches!(saved(&out), Saved::Held), "{out:?}");
+    let store = h.store();
+    assert_eq!(
+        held(get(&store, &scope, &key).await),
+        Some(HoldReason::Timeout)
+    );
+    // Past the lease, within the hold: a duplicate does not run.
+    h.advance(Duration::from_millis(1500)).await;
+    let again = engine
+        .execute(&scope, &key, fp("a"), |_| async {
+            panic!("a held key ran again within its hold");
+            #[allow(unreachable_code)]
+            ((), Action::Release)
+        })
+        .await
+        .expect("execute");
+    assert!(matches!(again, Outcome::InFlight { .. }), "{again:?}");
+
+    let key = fresh_key("hold-save-failed");
+    faulty.set(Op::Complete, Fault::Unavailable);
+    let out = engine
+        .execute(&scope, &key, fp("a"), |_| async {
+            ((), Action::Store(response("lost")))
+        })
+        .await
+        .expect("execute");
+    faulty.clear_all();
+    assert!(matches!(saved(&out), Saved::Failed(_)), "{out:?}");
+    assert_eq!(
+        held(get(&store, &scope, &key).await),
+        Some(HoldReason::SaveFailed)
+    );
 }

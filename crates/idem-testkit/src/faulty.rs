@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Begin, BeginRequest, IdempotencyKey, Lease, MemoryStore, Phase, Record, Scope, Store,
-    StoreError, StoredResponse,
+    Begin, BeginRequest, HoldReason, IdempotencyKey, Lease, MemoryStore, Phase, Record, Scope,
+    Store, StoreError, StoredResponse,
 };
 
 /// One operation of the [`Store`] trait (its discriminant indexes the
@@ -43,11 +43,13 @@ pub enum Op {
     PurgeExpired = 6,
     /// [`Store::wait_for_change`].
     WaitForChange = 7,
+    /// [`Store::hold`].
+    Hold = 8,
 }
 
 impl Op {
     /// Every operation, in the trait's order.
-    pub const ALL: [Op; 8] = [
+    pub const ALL: [Op; 9] = [
         Op::Begin,
         Op::Complete,
         Op::Release,
@@ -56,6 +58,7 @@ impl Op {
         Op::Delete,
         Op::PurgeExpired,
         Op::WaitForChange,
+        Op::Hold,
     ];
 
     /// The [`Phase`] an injected error names (`wait_for_change` reads, so
@@ -66,6 +69,7 @@ impl Op {
             Op::Complete => Phase::Complete,
             Op::Release => Phase::Release,
             Op::Extend => Phase::Extend,
+            Op::Hold => Phase::Hold,
             Op::Get | Op::WaitForChange => Phase::Get,
             Op::Delete => Phase::Delete,
             Op::PurgeExpired => Phase::Purge,
@@ -142,9 +146,9 @@ struct Armed {
 
 #[derive(Debug, Default)]
 struct State {
-    armed: [Mutex<Armed>; 8],
-    calls: [AtomicU64; 8],
-    injected: [AtomicU64; 8],
+    armed: [Mutex<Armed>; 9],
+    calls: [AtomicU64; 9],
+    injected: [AtomicU64; 9],
 }
 
 /// Wraps a store and, per [`Op`], fails, hangs or delays calls on demand
@@ -304,6 +308,11 @@ impl<S: Store> Store for FaultyStore<S> {
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Res<Lease> {
         self.pass(Op::Extend, self.inner.extend(lease, lease_for))
+            .await
+    }
+
+    async fn hold(&self, lease: &Lease, reason: HoldReason, hold_for: Duration) -> Res<Lease> {
+        self.pass(Op::Hold, self.inner.hold(lease, reason, hold_for))
             .await
     }
 

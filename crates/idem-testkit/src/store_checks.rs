@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant};
 
 use idem_core::{
-    Begin, IdempotencyKey, Lease, Record, RecordState, Scope, Store, StoreError, StoredResponse,
-    MAX_KEY_LEN,
+    Begin, HoldReason, IdempotencyKey, Lease, Record, RecordState, Scope, Store, StoreError,
+    StoredResponse, MAX_KEY_LEN,
 };
 
 use crate::support::*;
@@ -804,4 +804,114 @@ pub async fn same_key_in_two_scopes_independent<H: Harness>(h: &H) {
         }) => {}
         other => panic!("bob's record must survive alice's delete: {other:?}"),
     }
+}
+
+/// A held key ([`Store::hold`]: its outcome is unknown): the record is
+/// marked with the reason, its lease end never moves back and moves to at
+/// least now + `hold_for`; it answers as any in-flight record (the same
+/// request `InFlight`, another `Mismatch`); only the current fence holds;
+/// an operator settles it with `complete` or `release` under its fence;
+/// once the hold ends the same request takes it over and the mark is gone.
+pub async fn hold_marks_and_keeps_the_key<H: Harness>(h: &H) {
+    let store = h.store();
+    let (scope, key, r) = fresh_req("hold", SEC);
+    let lease = acquire(&store, &r).await;
+    let held = |rec: Option<Record>| match rec {
+        Some(Record {
+            state:
+                RecordState::InProgress {
+                    fence,
+                    lease_until,
+                    held,
+                },
+            ..
+        }) => (fence, lease_until, held),
+        other => panic!("expected a record in progress, got {other:?}"),
+    };
+    assert_eq!(
+        held(get(&store, &scope, &key).await).2,
+        None,
+        "a new claim is not held"
+    );
+    // hold_for 0 marks the key and keeps its lease end.
+    let kept = store
+        .hold(&lease, HoldReason::Timeout, Duration::ZERO)
+        .await
+        .expect("hold");
+    assert_eq!(
+        (kept.fence, kept.until),
+        (lease.fence, lease.until),
+        "{kept:?}"
+    );
+    assert_eq!(
+        held(get(&store, &scope, &key).await),
+        (lease.fence, lease.until, Some(HoldReason::Timeout))
+    );
+    // A longer hold moves the end past the lease, with the newer reason.
+    let longer = store
+        .hold(&lease, HoldReason::SaveFailed, 3 * SEC)
+        .await
+        .expect("hold for 3 s");
+    assert!(longer.until > lease.until, "{longer:?} vs {lease:?}");
+    assert_eq!(
+        held(get(&store, &scope, &key).await),
+        (lease.fence, longer.until, Some(HoldReason::SaveFailed))
+    );
+    // A shorter one does not move it back.
+    let again = store
+        .hold(&lease, HoldReason::SaveFailed, ms(10))
+        .await
+        .expect("hold again");
+    assert_eq!(again.until, longer.until, "a hold never shortens the lease");
+    // Past the original lease: still in flight for the same request (retry
+    // after at most the hold left), 422 for another.
+    h.advance(ms(1200)).await;
+    expect_in_flight(&store, &r, 3 * SEC).await;
+    expect_mismatch(&store, &req(&scope, &key, fp("b"), SEC)).await;
+    // Only the current fence holds.
+    let stale = Lease {
+        fence: lease.fence.wrapping_add(1),
+        ..lease.clone()
+    };
+    expect_lease_lost(
+        "hold",
+        store.hold(&stale, HoldReason::Timeout, SEC).await,
+        stale.fence,
+    );
+    // The operator's answer, under the record's fence, is replayed.
+    store
+        .complete(&lease, &response("settled"), LONG)
+        .await
+        .expect("complete a held key");
+    expect_replay(&store, &r, &response("settled")).await;
+    expect_lease_lost(
+        "hold after complete",
+        store.hold(&lease, HoldReason::Timeout, SEC).await,
+        lease.fence,
+    );
+
+    // Released by an operator: gone, and the next claim is not held.
+    let (scope2, key2, r2) = fresh_req("hold-release", SEC);
+    let l2 = acquire(&store, &r2).await;
+    store
+        .hold(&l2, HoldReason::BrokenBody, Duration::ZERO)
+        .await
+        .expect("hold");
+    store.release(&l2).await.expect("release a held key");
+    assert!(get(&store, &scope2, &key2).await.is_none());
+    let l3 = acquire(&store, &r2).await;
+    assert_eq!(held(get(&store, &scope2, &key2).await).2, None);
+    // A hold that ends is taken over by the same request; the mark is gone.
+    store
+        .hold(&l3, HoldReason::Cancelled, Duration::ZERO)
+        .await
+        .expect("hold");
+    h.advance(ms(1200)).await;
+    let l4 = acquire(&store, &r2).await;
+    assert!(l4.took_over && l4.fence > l3.fence, "{l4:?}");
+    assert_eq!(
+        held(get(&store, &scope2, &key2).await),
+        (l4.fence, l4.until, None),
+        "a takeover clears the hold"
+    );
 }

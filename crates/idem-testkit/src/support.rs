@@ -223,6 +223,7 @@ pub async fn expect_in_progress<S: Store + ?Sized>(
                 RecordState::InProgress {
                     fence: got,
                     lease_until,
+                    ..
                 },
         }) => {
             assert_eq!(f, fingerprint, "the record keeps the claimer's fingerprint");

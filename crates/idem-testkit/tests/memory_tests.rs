@@ -210,7 +210,10 @@ mod memory_tests {
             .expect("get")
         {
             Some(Record {
-                state: RecordState::InProgress { fence, lease_until },
+                state:
+                    RecordState::InProgress {
+                        fence, lease_until, ..
+                    },
                 ..
             }) => {
                 assert_eq!(fence, lease.fence);
@@ -553,6 +556,7 @@ mod memory_tests {
                                     state: RecordState::InProgress {
                                         fence,
                                         lease_until: Millis(until),
+                                        held: None,
                                     },
                                 },
                                 Model::Completed { fp, resp, expires } => Record {

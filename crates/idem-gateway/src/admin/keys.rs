@@ -6,7 +6,8 @@
 //! |---|---|
 //! | `GET /keys?state=&scope=&limit=&cursor=` | 200 `{"records": [record, …], "next": cursor \| null, "newest_first": bool}` |
 //! | `GET /keys/{scope}/{key}` | 200 record; 404 `key-not-found` |
-//! | `DELETE /keys/{scope}/{key}` | 200 `{"deleted": true, "key", "scope", "key_hash", "record"}`; 404 `key-not-found` |
+//! | `DELETE /keys/{scope}/{key}` | 200 `{"deleted": true, "key", "scope", "key_hash", "record"}`; 404 `key-not-found` (an in-flight or held key is released: the next request runs) |
+//! | `POST /keys/{scope}/{key}/complete` | body [`keys::CompleteRequest`] (JSON, at most 1 MiB); 200 `{"completed": true, "key", "scope", "key_hash", "fence", "record"}`; 404 `key-not-found`; 409 `not-held`, `already-completed`, `record-changed`; 400 `invalid-parameter` |
 //! | `POST /keys/purge` | 200 `{"purged": N}` (expired records removed) |
 //!
 //! Parameters of the listing, all optional: `state` = `in-flight`,
@@ -19,7 +20,7 @@
 //! Errors are `application/problem+json` (RFC 9457): 400
 //! `invalid-parameter` (an unknown, repeated or malformed parameter, a bad
 //! key or scope, a cursor the store did not make), 404 `key-not-found`,
-//! 405 `method-not-allowed` with `Allow`, 501 `list-unsupported` (a store
+//! 405 `method-not-allowed` with `Allow`, 409 (see above), 501 `list-unsupported` (a store
 //! without listing), 503 `store-unavailable` (the store failed or did not
 //! answer within `--store-timeout`), 500 `corrupt-record`.
 
@@ -70,10 +71,20 @@ pub(crate) async fn handle(
                 )
                 .into_response();
             };
+            let (key, completing) = match key.strip_suffix("/complete") {
+                Some(k) => (k, true),
+                None => (key, false),
+            };
             let (scope, key) = match named(scope, key) {
                 Ok(sk) => sk,
                 Err(detail) => return invalid(detail),
             };
+            if completing {
+                if method != Method::POST {
+                    return not_allowed("POST");
+                }
+                return complete(req, state, peer, &scope, &key).await;
+            }
             if reading {
                 match keys::get(&*state.store, &scope, &key, state.store_timeout).await {
                     Ok(Some(rec)) => json(&rec),
@@ -97,6 +108,66 @@ pub(crate) async fn handle(
                 not_allowed("GET, DELETE")
             }
         }
+    }
+}
+
+/// Most bytes of a `POST …/complete` body: 1 MiB.
+const MAX_COMPLETE_BODY: usize = 1 << 20;
+
+/// `POST /keys/{scope}/{key}/complete`: an operator's answer for a held key.
+async fn complete(
+    req: Request<Incoming>,
+    state: &AdminState,
+    peer: SocketAddr,
+    scope: &Scope,
+    key: &IdempotencyKey,
+) -> Response<BoxBody> {
+    use http_body_util::BodyExt;
+    let body = match http_body_util::Limited::new(req.into_body(), MAX_COMPLETE_BODY)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return invalid(format!(
+                "the body could not be read (at most {MAX_COMPLETE_BODY} bytes): {e}"
+            ))
+        }
+    };
+    let asked: keys::CompleteRequest = match serde_json::from_slice(&body) {
+        Ok(a) => a,
+        Err(e) => {
+            return invalid(format!(
+                "the body is not a completion ({{\"status\": 201, \"headers\": {{…}}, \"body\": \"…\", \"ttl\": \"24h\", \"force\": false}}): {e}"
+            ))
+        }
+    };
+    let (response, ttl) = match asked.to_response() {
+        Ok(r) => r,
+        Err(e) => return failed(&e),
+    };
+    match keys::complete(
+        &*state.store,
+        scope,
+        key,
+        &response,
+        ttl,
+        asked.force,
+        state.store_timeout,
+    )
+    .await
+    {
+        Ok(Some(c)) => {
+            keys::log_completed(
+                &c,
+                response.status,
+                &format!("peer {peer} with the admin token"),
+                "admin-api",
+            );
+            json(&c)
+        }
+        Ok(None) => not_found(scope, key),
+        Err(e) => failed(&e),
     }
 }
 
@@ -184,6 +255,9 @@ fn failed(e: &KeysError) -> Response<BoxBody> {
     let (status, kind) = match e {
         KeysError::NoListing => (StatusCode::NOT_IMPLEMENTED, "list-unsupported"),
         KeysError::Changed => (StatusCode::CONFLICT, "record-changed"),
+        KeysError::NotHeld => (StatusCode::CONFLICT, "not-held"),
+        KeysError::AlreadyCompleted => (StatusCode::CONFLICT, "already-completed"),
+        KeysError::BadResponse(_) => (StatusCode::BAD_REQUEST, "invalid-parameter"),
         KeysError::Store(StoreError::Invalid(_)) => (StatusCode::BAD_REQUEST, "invalid-parameter"),
         KeysError::Store(StoreError::Corrupt { .. }) => {
             (StatusCode::INTERNAL_SERVER_ERROR, "corrupt-record")

@@ -75,6 +75,7 @@ pub(crate) fn install() -> Option<&'static PrometheusHandle> {
                 idem_core::instrument::LEASE_LOST,
                 idem_core::instrument::SAVE_RETRIES,
                 idem_core::instrument::LEASE_TAKEOVERS,
+                idem_core::instrument::SAVES_GIVEN_UP,
                 idem_http::observe::TOKENS_ISSUED,
             ] {
                 metrics::counter!(name).increment(0);

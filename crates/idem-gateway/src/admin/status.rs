@@ -494,10 +494,15 @@ async fn in_flight_keys(state: &AdminState) -> Value {
                 .records
                 .iter()
                 .filter_map(|r| match &r.record.state {
-                    RecordState::InProgress { fence, lease_until } => Some(json!({
+                    RecordState::InProgress {
+                        fence,
+                        lease_until,
+                        held,
+                    } => Some(json!({
                         "key_hash": key_hash(&r.scope, &r.key),
                         "fence": fence,
                         "lease_until_ms": lease_until.0,
+                        "held": held.map(|h| h.as_str()),
                     })),
                     RecordState::Completed { .. } => None,
                 })

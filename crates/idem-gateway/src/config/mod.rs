@@ -203,6 +203,16 @@ pub struct GatewayArgs {
     #[arg(long, env = "IDEM_SHARE_FAILURE", value_name = "DURATION", default_value = show_duration(Options::default().share_failure), value_parser = parse_duration)]
     pub share_failure: Duration,
 
+    /// How long a key whose outcome is unknown (the upstream timed out:
+    /// 504; its response body broke; the result could not be saved) stays
+    /// held — duplicates get 409, another request with the key 422 — before
+    /// a retry may run it again. `0` (the default) holds it until its lease
+    /// ends. A held key shows as `held` in `idem keys` and is settled by
+    /// an operator with `idem keys delete` (release: the next request runs)
+    /// or `idem keys complete` (store the answer duplicates get).
+    #[arg(long, env = "IDEM_HOLD_FOR", value_name = "DURATION", default_value = show_duration(Options::default().hold_for), value_parser = parse_duration)]
+    pub hold_for: Duration,
+
     /// Most pooled connections to a PostgreSQL or MySQL store (SQLite and
     /// Redis ignore it). Several gateway instances each open this many.
     #[arg(
@@ -554,6 +564,7 @@ impl GatewayArgs {
             ttl: self.ttl,
             wait: self.wait,
             share_failure: self.share_failure,
+            hold_for: self.hold_for,
             require_token,
             // A result must outlive its token: the token TTL is capped at the TTL.
             token_ttl: self.token_ttl.min(self.ttl),

@@ -72,6 +72,7 @@ pub const RELOADABLE: &[&str] = &[
     "lease",
     "wait",
     "share_failure",
+    "hold_for",
     "methods",
     "require_key",
     "max_body",

@@ -7,7 +7,8 @@
 -- scope, key: VARBINARY, compared byte for byte: a character column would
 --             use the default collation, which ignores case and trailing
 --             spaces, and two distinct keys would share one record.
--- state:      0 = in progress (deadline = lease end),
+-- state:      0 = in progress (deadline = lease end; response is NULL, or
+--                 the hold reason's name once `hold` marked the key held),
 --             1 = completed   (deadline = expiry; response holds the result).
 -- deadline:   milliseconds since the Unix epoch, by the server's clock.
 -- fence:      the fencing token of the current (or last) claim, drawn from

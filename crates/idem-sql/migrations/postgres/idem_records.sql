@@ -7,7 +7,8 @@
 -- EXISTS can otherwise fail on the catalog's unique indexes).
 --
 -- scope, key: bytea, compared byte for byte (no collation, no NUL problem).
--- state:      0 = in progress (deadline = lease end),
+-- state:      0 = in progress (deadline = lease end; response is NULL, or
+--                 the hold reason's name once `hold` marked the key held),
 --             1 = completed   (deadline = expiry; response holds the result).
 -- deadline:   milliseconds since the Unix epoch, by the database's clock.
 -- fence:      the fencing token of the current (or last) claim, from

@@ -208,6 +208,7 @@
       const code = document.createElement("code");
       code.textContent = k.key_hash;
       c.appendChild(code);
+      if (k.held) c.appendChild(document.createTextNode(" held: " + k.held));
       cell(r, String(k.fence));
       const left = k.lease_until_ms - d.now_ms;
       cell(r, new Date(k.lease_until_ms).toLocaleTimeString() + " (" + (left >= 0 ? ago(left) : "ended " + ago(left) + ", next begin takes it over") + ")");
