@@ -30,11 +30,12 @@ const TOKEN: &str = "admin-token-for-keys-tests-0123456789";
 
 /// Every member of a record's JSON (the shape `idem keys --json` and the
 /// admin API share).
-const RECORD_FIELDS: [&str; 11] = [
+const RECORD_FIELDS: [&str; 12] = [
     "key",
     "scope",
     "key_hash",
     "state",
+    "held",
     "fingerprint",
     "fence",
     "lease_until",
@@ -549,6 +550,210 @@ async fn stuck_keys_are_found_and_freed(store: &str, kind: &str) {
 }
 
 // ----------------------------------------------------------------- stores
+
+/// An upstream whose first execution of each key takes 3 s (the gateway,
+/// with `--upstream-timeout 1s`, answers 504: its outcome is unknown) and
+/// later ones answer 201 at once; counts executions per key.
+async fn timing_out() -> (
+    String,
+    Arc<Mutex<HashMap<String, usize>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let counts: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let c = counts.clone();
+    let app = Router::new().route(
+        "/pay",
+        axum::routing::post(move |h: HeaderMap| {
+            let c = c.clone();
+            async move {
+                let key = h
+                    .get("idempotency-key")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_owned();
+                let n = {
+                    let mut m = c.lock().unwrap();
+                    let e = m.entry(key).or_insert(0);
+                    *e += 1;
+                    *e
+                };
+                if n == 1 {
+                    // Past the gateway's --upstream-timeout: it answers 504.
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                }
+                (StatusCode::CREATED, format!("{{\"execution\":{n}}}"))
+            }
+        }),
+    );
+    let (url, task) = serve(app).await;
+    (url, counts, task)
+}
+
+/// Issue 16 item 4: an upstream timeout (504) leaves its key held (reason `timeout`) for
+/// `--hold-for`, past its lease; `idem keys` shows it held; an operator
+/// completes one (`idem keys complete`: duplicates get that answer, the
+/// upstream never runs again) and releases the other over the admin API
+/// (`DELETE`: the retry runs) and completes a third there; completing a
+/// key completed already, or with a bad answer, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_keys_are_shown_and_settled_by_an_operator() {
+    let (up, counts, _task) = timing_out().await;
+    let of_key = |k: &str| counts.lock().unwrap().get(k).copied().unwrap_or(0);
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let token = token_file(dir.path());
+    let args = [
+        "--upstream",
+        &up,
+        "--store",
+        &store,
+        "--admin-token-file",
+        token.to_str().unwrap(),
+        "--lease",
+        "2s",
+        "--store-timeout",
+        "500ms",
+        "--upstream-timeout",
+        "1s",
+        "--hold-for",
+        "1h",
+    ];
+    let gw = GatewayProc::start(dir.path(), "held", &args).await;
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let run = unique("held");
+    let (k1, k2) = (format!("{run}-cli"), format!("{run}-api"));
+    let pay = gw.url("/pay");
+    for k in [&k1, &k2] {
+        let (s, body) = post(&c, &pay, k, None).await;
+        assert_eq!(s, 504, "{body}");
+    }
+    // Past the 2 s lease the keys are still held: a retry gets 409 and
+    // does not run.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    for k in [&k1, &k2] {
+        let (s, body) = post(&c, &pay, k, None).await;
+        assert_eq!(s, 409, "{k} is not held past its lease: {body}");
+        assert_eq!(of_key(k), 1);
+    }
+    let st = ["--store", store.as_str()];
+    let got = json(&keys_ok(&[&["get"], &st, &[k1.as_str(), "--json"]]).await);
+    assert_record_shape(&got);
+    assert_eq!(
+        (&got["state"], &got["held"]),
+        (&"in-flight".into(), &"timeout".into()),
+        "{got}"
+    );
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(
+        got["lease_until_ms"].as_u64().unwrap() > now_ms + 3_000_000,
+        "not held for --hold-for 1h: {got}"
+    );
+    let shown = keys_ok(&[&["get"], &st, &[k1.as_str()]]).await;
+    assert!(shown.contains("held (timeout)"), "{shown}");
+    let table = cli_table_all(&[&["list"], &st]).await;
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(&k1) && l.contains("held (timeout)")),
+        "{table}"
+    );
+
+    // ---- idem keys complete
+    let (code, out, err) = keys(&[
+        &["complete"],
+        &st,
+        &[
+            k1.as_str(),
+            "--status",
+            "201",
+            "-H",
+            "content-type: application/json",
+            "--body",
+            r#"{"settled":true}"#,
+        ],
+    ])
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("completed key"), "{out}");
+    assert!(
+        err.contains("idem key completed by an operator"),
+        "not logged: {err}"
+    );
+    let (s, body) = post(&c, &pay, &k1, None).await;
+    assert_eq!((s, body.as_str()), (201, r#"{"settled":true}"#));
+    assert_eq!(of_key(&k1), 1, "a completed held key ran again");
+    // Completed already: refused, exit 1.
+    let (code, _, err) = keys(&[&["complete"], &st, &[k1.as_str(), "--status", "200"]]).await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("completed already"), "{err}");
+    // A bad status is a usage error.
+    let (code, _, err) = keys(&[&["complete"], &st, &[k2.as_str(), "--status", "42"]]).await;
+    assert_eq!(code, 2, "{err}");
+
+    // ---- the admin API: completing needs a held key unless forced;
+    // DELETE releases it and the retry runs.
+    let path = format!("/keys/anonymous/{}", encode(&k2));
+    let (status, _, rec) = body_of(admin(&c, &gw, reqwest::Method::GET, &path)).await;
+    assert_eq!((status, &rec["held"]), (200, &"timeout".into()), "{rec}");
+    let (status, _, problem) = body_of(
+        admin(&c, &gw, reqwest::Method::POST, &format!("{path}/complete")).body("{\"status\": 99}"),
+    )
+    .await;
+    assert_eq!(status, 400, "{problem}");
+    let (status, _, problem) = body_of(
+        admin(&c, &gw, reqwest::Method::POST, &format!("{path}/complete")).body("not json"),
+    )
+    .await;
+    assert_eq!(status, 400, "{problem}");
+    let (status, _, gone) = body_of(admin(&c, &gw, reqwest::Method::DELETE, &path)).await;
+    assert_eq!(status, 200, "{gone}");
+    let (s, body) = post(&c, &pay, &k2, None).await;
+    assert_eq!(s, 201, "the released key did not run: {body}");
+    assert_eq!(of_key(&k2), 2);
+    let (status, _, problem) = body_of(
+        admin(&c, &gw, reqwest::Method::POST, &format!("{path}/complete"))
+            .body("{\"status\": 200}"),
+    )
+    .await;
+    assert_eq!(
+        (status, &problem["type"]),
+        (409, &"urn:idem:problem:already-completed".into()),
+        "{problem}"
+    );
+
+    // Completed over the admin API: the answer, with its headers, is
+    // what a retry gets.
+    let k3 = format!("{run}-live");
+    let (s, _) = post(&c, &pay, &k3, None).await;
+    assert_eq!(s, 504);
+    let p3 = format!("/keys/anonymous/{}/complete", encode(&k3));
+    let (status, _, done) = body_of(
+        admin(&c, &gw, reqwest::Method::POST, &p3)
+            .body(r#"{"status": 200, "body": "ok", "headers": {"x-settled": "yes"}}"#),
+    )
+    .await;
+    assert_eq!((status, &done["completed"]), (200, &true.into()), "{done}");
+    assert_eq!(done["record"]["state"], "completed", "{done}");
+    let r = c
+        .post(&pay)
+        .header("idempotency-key", &k3)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":10}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.headers()["x-settled"], "yes");
+    assert_eq!(r.headers()["idempotent-replayed"], "true");
+    assert_eq!(r.text().await.unwrap(), "ok");
+    assert_eq!(of_key(&k3), 1);
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_stuck_key_is_listed_shown_deleted_and_retried() {

@@ -102,6 +102,9 @@ pub enum HoldReason {
     /// The result could not be saved (the store failed through
     /// [`crate::EngineConfig::save_wait`]).
     SaveFailed,
+    /// The connection to the operation (the upstream) failed after the
+    /// request was sent, before an answer came.
+    ConnectionLost,
     /// The operation's future was dropped before it finished
     /// ([`crate::EngineConfig::on_cancel`]): it may still have had its effect.
     Cancelled,
@@ -112,20 +115,22 @@ pub enum HoldReason {
 
 impl HoldReason {
     /// Every reason, for listings and tests.
-    pub const ALL: [HoldReason; 5] = [
+    pub const ALL: [HoldReason; 6] = [
         HoldReason::Timeout,
         HoldReason::BrokenBody,
+        HoldReason::ConnectionLost,
         HoldReason::SaveFailed,
         HoldReason::Cancelled,
         HoldReason::Unknown,
     ];
 
     /// The stable name stores keep and tools print: `timeout`,
-    /// `broken-body`, `save-failed`, `cancelled`, `unknown`.
+    /// `broken-body`, `connection-lost`, `save-failed`, `cancelled`, `unknown`.
     pub fn as_str(self) -> &'static str {
         match self {
             HoldReason::Timeout => "timeout",
             HoldReason::BrokenBody => "broken-body",
+            HoldReason::ConnectionLost => "connection-lost",
             HoldReason::SaveFailed => "save-failed",
             HoldReason::Cancelled => "cancelled",
             HoldReason::Unknown => "unknown",

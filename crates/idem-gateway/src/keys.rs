@@ -27,8 +27,8 @@
 //! - `state`: `in-flight` or `completed`.
 //! - `held`: in flight only: `null` while the request runs (or its holder
 //!   died), else why its outcome is unknown and the key is held
-//!   ([`idem_core::HoldReason`]: `timeout`, `broken-body`, `save-failed`,
-//!   `cancelled`, `unknown`). A held key is the operator's to settle:
+//!   ([`idem_core::HoldReason`]: `timeout`, `broken-body`,
+//!   `connection-lost`, `save-failed`, `cancelled`, `unknown`). A held key is the operator's to settle:
 //!   [`delete`] releases it (the next request runs), [`complete`] stores
 //!   the answer duplicates get; untouched, it frees itself when its lease
 //!   (at least `--hold-for`) ends.
@@ -688,6 +688,108 @@ impl fmt::Display for ShortScope<'_> {
 mod tests {
     use super::*;
     use idem_core::{Fingerprint, StoredResponse};
+
+    #[tokio::test]
+    async fn only_a_held_key_is_completed_unless_forced() {
+        use idem_core::{BeginRequest, HoldReason, MemoryStore};
+        let store = MemoryStore::new();
+        let scope = Scope::anonymous();
+        let t = Duration::from_secs(5);
+        let answer = StoredResponse::new(201, "settled");
+        let begin = |k: &str| BeginRequest {
+            scope: scope.clone(),
+            key: IdempotencyKey::new(k).unwrap(),
+            fingerprint: Fingerprint::of(b"x"),
+            lease: Duration::from_secs(30),
+        };
+        let claim = |b: idem_core::Begin| match b {
+            idem_core::Begin::Acquired(l) => l,
+            other => panic!("{other:?}"),
+        };
+        let live = claim(store.begin(&begin("live")).await.unwrap());
+        let r = complete(&store, &scope, &live.key, &answer, t, false, t).await;
+        assert!(matches!(r, Err(KeysError::NotHeld)), "{r:?}");
+        let forced = complete(&store, &scope, &live.key, &answer, t, true, t)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(forced.fence, live.fence);
+        assert_eq!(forced.record.unwrap().state, STATE_COMPLETED);
+        // The holder's own late result loses.
+        assert!(matches!(
+            store
+                .complete(&live, &StoredResponse::new(200, "late"), t)
+                .await,
+            Err(StoreError::LeaseLost { .. })
+        ));
+        let r = complete(&store, &scope, &live.key, &answer, t, true, t).await;
+        assert!(matches!(r, Err(KeysError::AlreadyCompleted)), "{r:?}");
+
+        let held = claim(store.begin(&begin("held")).await.unwrap());
+        store.hold(&held, HoldReason::Timeout, t).await.unwrap();
+        let done = complete(&store, &scope, &held.key, &answer, t, false, t)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(done.completed);
+        let absent = IdempotencyKey::new("absent").unwrap();
+        assert!(complete(&store, &scope, &absent, &answer, t, false, t)
+            .await
+            .unwrap()
+            .is_none());
+        let bad = StoredResponse::new(42, "");
+        assert!(matches!(
+            complete(&store, &scope, &held.key, &bad, t, false, t).await,
+            Err(KeysError::BadResponse(_))
+        ));
+    }
+
+    #[test]
+    fn completions_are_checked() {
+        let ok = CompleteRequest {
+            status: 201,
+            headers: [("Content-Type".to_owned(), "application/json".to_owned())].into(),
+            body: "{}".into(),
+            ttl: Some("90s".into()),
+            force: false,
+        };
+        let (resp, ttl) = ok.to_response().unwrap();
+        assert_eq!((resp.status, ttl), (201, Duration::from_secs(90)));
+        assert_eq!(
+            resp.headers,
+            vec![("content-type".to_owned(), b"application/json".to_vec())]
+        );
+        for bad in [
+            CompleteRequest {
+                status: 600,
+                ..ok.clone()
+            },
+            CompleteRequest {
+                ttl: Some("0s".into()),
+                ..ok.clone()
+            },
+            CompleteRequest {
+                ttl: Some("soon".into()),
+                ..ok.clone()
+            },
+            CompleteRequest {
+                headers: [("bad name".to_owned(), "v".to_owned())].into(),
+                ..ok.clone()
+            },
+            CompleteRequest {
+                headers: [("x".to_owned(), "a\nb".to_owned())].into(),
+                ..ok.clone()
+            },
+        ] {
+            assert!(
+                matches!(bad.to_response(), Err(KeysError::BadResponse(_))),
+                "{bad:?}"
+            );
+        }
+        let parsed: CompleteRequest = serde_json::from_str(r#"{"status": 204}"#).unwrap();
+        assert_eq!(parsed.to_response().unwrap().1, idem_core::DEFAULT_TTL);
+        assert!(serde_json::from_str::<CompleteRequest>(r#"{"status": 204, "extra": 1}"#).is_err());
+    }
 
     #[test]
     fn records_have_the_documented_shape() {

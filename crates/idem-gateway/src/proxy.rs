@@ -16,6 +16,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use idem_core::HoldReason;
 use idem_http::{
     normalize_path, problem, BoxBody, BoxError, Disposition, Fence, IDEMPOTENCY_FENCE,
 };
@@ -396,6 +397,14 @@ fn with_disposition(mut resp: Response<BoxBody>, d: Disposition) -> Response<Box
     resp
 }
 
+/// `resp` marked [`Disposition::Hold`] with the [`HoldReason`] the layer
+/// records on the key.
+fn held_for(resp: Response<BoxBody>, reason: HoldReason) -> Response<BoxBody> {
+    let mut resp = with_disposition(resp, Disposition::Hold);
+    resp.extensions_mut().insert(reason);
+    resp
+}
+
 impl Proxy {
     /// Forwards one request and answers with the upstream's response, or a
     /// problem (502/504) carrying the key's [`Disposition`].
@@ -535,26 +544,26 @@ impl Proxy {
             }
             Ok(Err(e)) => {
                 tracing::error!(%method, %path, error = %error_chain(&e), "upstream failed after the request was sent; outcome unknown");
-                with_disposition(
+                held_for(
                     problem(
                         StatusCode::BAD_GATEWAY,
                         "upstream-failed",
                         "the upstream connection failed after the request was sent; its outcome is unknown, \
-                         so the key is held until its lease ends",
+                         so the key is held",
                     ),
-                    Disposition::Hold,
+                    HoldReason::ConnectionLost,
                 )
             }
             Err(_) => {
                 tracing::error!(%method, %path, timeout = ?self.timeout, "upstream timed out; outcome unknown");
-                with_disposition(
+                held_for(
                     problem(
                         StatusCode::GATEWAY_TIMEOUT,
                         "upstream-timeout",
                         "the upstream did not answer in time; its outcome is unknown, \
-                         so the key is held until its lease ends",
+                         so the key is held",
                     ),
-                    Disposition::Hold,
+                    HoldReason::Timeout,
                 )
             }
         }

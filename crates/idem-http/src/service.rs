@@ -1147,10 +1147,13 @@ where
             }
         },
         Disposition::Hold => {
-            let reason = if parts.status == StatusCode::GATEWAY_TIMEOUT {
-                HoldReason::Timeout
-            } else {
-                HoldReason::Unknown
+            // The inner service may name the reason (the gateway does for
+            // its own 504 and 502 `upstream-failed`); else a 504 is a
+            // timeout and any other held status is of unknown outcome.
+            let reason = match parts.extensions.remove::<HoldReason>() {
+                Some(r) => r,
+                None if parts.status == StatusCode::GATEWAY_TIMEOUT => HoldReason::Timeout,
+                None => HoldReason::Unknown,
             };
             (body, Action::Hold(reason))
         }
