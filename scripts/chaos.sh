@@ -23,5 +23,5 @@ done
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
   || { echo "scripts/chaos.sh: PostgreSQL's initdb is missing: apt-get install -y postgresql" >&2; exit 1; }
 IDEM_CHAOS_LONG=1 IDEM_CHAOS_SEQUENTIAL=${IDEM_CHAOS_SEQUENTIAL:-1} IDEM_CHAOS_REPORT="$report" \
-  cargo test -p idem-cli --test chaos -- --nocapture
+  cargo test --workspace --all-features --test chaos -- --nocapture
 echo "figures: $report"
