@@ -21,11 +21,13 @@ pub enum Action {
     Release,
     /// Free the key after a failure without effect (a 5xx, an unreachable
     /// upstream), but first share this answer with the duplicates of the
-    /// same request: those waiting for this execution ([`EngineConfig::wait`],
-    /// in any instance on the store) and those arriving within
-    /// [`EngineConfig::share_failure`] get it replayed
+    /// same request that waited for this execution ([`EngineConfig::wait`],
+    /// in any instance on the store): they get it replayed
     /// ([`StoredResponse::released`] set) instead of running the operation
-    /// once each. A retry after that window runs again.
+    /// once each. A later retry — one that did not wait for the execution —
+    /// is not given the failure: [`Engine::begin`] waits out the window
+    /// ([`EngineConfig::share_failure`]) and then claims the key, so it runs
+    /// again.
     ///
     /// Stored as a completed record with a TTL of `share_failure` (so
     /// another fingerprint gets [`Outcome::Mismatch`] within the window);
@@ -85,14 +87,15 @@ pub struct EngineConfig {
     /// to add to the current instant).
     pub save_retry: Duration,
     /// How long the answer of a failure without effect
-    /// ([`Action::ReleaseWith`]) is replayed to duplicates of the same
-    /// request before the key is free again (default
-    /// [`DEFAULT_SHARE_FAILURE`], 0: off; millisecond precision; saturates
-    /// up to `Duration::MAX`). Without it, duplicates that waited for a 5xx
-    /// wake to a free key and run it again in turn (20 waiters, 16 to 17
-    /// executions); with it (1 s is enough for waiters, who wake within
-    /// milliseconds) they get that answer. The window is not limited to
-    /// waiters: a retry within it gets the failure too.
+    /// ([`Action::ReleaseWith`]) is kept for the duplicates that waited for
+    /// it before the key is free again (default [`DEFAULT_SHARE_FAILURE`],
+    /// 1 s; 0: off, the key is released at once; millisecond precision;
+    /// saturates up to `Duration::MAX`). Without it, duplicates that waited
+    /// for a 5xx wake to a free key and run it again in turn (20 waiters,
+    /// 16 to 17 executions); with it they get that answer (they wake within
+    /// milliseconds). A later retry, one that did not wait for the
+    /// execution, is not given the failure: it waits out the window (at
+    /// most twice this length, at least 100 ms) and then runs.
     pub share_failure: Duration,
     /// How long a key whose outcome is unknown stays held ([`Action::Hold`]:
     /// a timeout, a broken body, a cancelled run; and a save given up):
@@ -123,12 +126,10 @@ pub const DEFAULT_HOLD_FOR: Duration = Duration::ZERO;
 pub const DEFAULT_SAVE_WAIT: Duration = Duration::from_secs(2);
 /// [`EngineConfig::save_retry`]'s default: 10 min.
 pub const DEFAULT_SAVE_RETRY: Duration = Duration::from_secs(600);
-/// [`EngineConfig::share_failure`]'s default: 0 (off: a released failure
-/// frees its key at once). Off by default because the window is shared with
-/// *every* duplicate, also a client's own retry right after the failure: a
-/// service that answers 504 "outcome unknown" and expects the retry to
-/// reconcile would get its 504 replayed for the window instead.
-pub const DEFAULT_SHARE_FAILURE: Duration = Duration::ZERO;
+/// [`EngineConfig::share_failure`]'s default: 1 s — long enough for every
+/// waiter, which wakes within milliseconds of the failure; a client's own
+/// retry right after the failure waits at most this long and then runs.
+pub const DEFAULT_SHARE_FAILURE: Duration = Duration::from_secs(1);
 
 /// The shortest lease the engine runs with: 1 s.
 ///
@@ -354,6 +355,14 @@ impl<S: Store + Clone> Engine<S> {
     /// as [`Engine::with_config`] does, so no request can claim a key for
     /// less than the floor.
     ///
+    /// A shared failure ([`Action::ReleaseWith`]) is answered
+    /// ([`Begin::Replay`] of a [`StoredResponse::released`] response) only to
+    /// a caller that waited here for the execution that produced it; any
+    /// other caller waits out its window (up to twice
+    /// [`EngineConfig::share_failure`], at least 100 ms) and claims the key,
+    /// or gets the shared answer when the window outlasts that (another
+    /// instance sharing for longer).
+    ///
     /// # Errors
     /// The store's errors; the operation must not run.
     pub async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
@@ -371,10 +380,38 @@ impl<S: Store + Clone> Engine<S> {
         };
         // `None`: a wait too long to represent (`Duration::MAX`): no deadline.
         let deadline = deadline_after(self.config.wait);
+        // Whether this caller waited for an execution of the key: only then
+        // is a shared failure ([`StoredResponse::released`]) its answer.
+        let mut waited = false;
+        // How long a later retry waits out a shared failure's window.
+        let mut window_end: Option<tokio::time::Instant> = None;
         loop {
             let b = self.store.begin(req).await?;
-            let Begin::InFlight { retry_after } = b else {
-                return Ok(b);
+            let retry_after = match b {
+                Begin::InFlight { retry_after } => retry_after,
+                Begin::Replay(r) if r.released && !waited => {
+                    // A later retry, not a duplicate that overlapped the
+                    // execution: the failure had no effect and is not its
+                    // answer, so it runs once the window ends (at most
+                    // twice this engine's `share_failure`, or 100 ms; past
+                    // that — another instance's longer window — it gets
+                    // the shared answer).
+                    let end = *window_end.get_or_insert_with(|| {
+                        let bound = self
+                            .config
+                            .share_failure
+                            .saturating_mul(2)
+                            .clamp(Duration::from_millis(100), MAX_WAIT_SLICE);
+                        tokio::time::Instant::now() + bound
+                    });
+                    let left = end.saturating_duration_since(tokio::time::Instant::now());
+                    if left.is_zero() {
+                        return Ok(Begin::Replay(r));
+                    }
+                    tokio::time::sleep(left.min(SHARED_FAILURE_POLL)).await;
+                    continue;
+                }
+                b => return Ok(b),
             };
             let left = deadline.map_or(Duration::MAX, |d| {
                 d.saturating_duration_since(tokio::time::Instant::now())
@@ -388,6 +425,7 @@ impl<S: Store + Clone> Engine<S> {
             let max = left
                 .min(retry_after.max(Duration::from_millis(1)))
                 .min(MAX_WAIT_SLICE);
+            waited = true;
             self.store
                 .wait_for_change(&req.scope, &req.key, max)
                 .await?;
@@ -849,6 +887,10 @@ impl<S: Store> ResultSave<S> {
 /// The longest single [`Store::wait_for_change`] of [`Engine::begin`]:
 /// 60 s. A longer [`EngineConfig::wait`] is waited in slices of it.
 const MAX_WAIT_SLICE: Duration = Duration::from_secs(60);
+
+/// How often a later retry that found a shared failure looks again for the
+/// end of its window ([`Engine::begin`]).
+const SHARED_FAILURE_POLL: Duration = Duration::from_millis(20);
 
 /// Now plus `d`, or `None` when that is not representable (`Duration::MAX`,
 /// `u64::MAX` seconds): no deadline.

@@ -25,9 +25,8 @@ pub struct StoredResponse {
     pub body_omitted: bool,
     /// `true` for the answer of an execution that failed without effect and
     /// released its key ([`crate::Action::ReleaseWith`]): it is replayed
-    /// only to the duplicates that waited for that execution or arrived
-    /// within [`crate::EngineConfig::share_failure`] after it; then the key
-    /// is free and a retry runs again.
+    /// only to the duplicates that waited for that execution; a later retry
+    /// waits out [`crate::EngineConfig::share_failure`] and runs again.
     #[serde(default)]
     pub released: bool,
 }

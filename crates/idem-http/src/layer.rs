@@ -426,8 +426,8 @@ impl IdempotencyLayer {
         with_wait(wait: Duration);
 
         /// How long the answer of a released failure (5xx, unreachable
-        /// inner service) is replayed to duplicates of the same request
-        /// before a retry runs again (default 0: released at once; see
+        /// inner service) is kept for the duplicates that waited for it
+        /// (default 1 s; 0: released at once; see
         /// [`Options::share_failure`]).
         ///
         /// ```

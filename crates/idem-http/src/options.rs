@@ -74,12 +74,10 @@ pub struct Options {
     pub wait: Duration,
     /// How long the answer of a released failure (a status the policy
     /// releases, e.g. a 5xx or 502 `upstream-unreachable`, with a body of
-    /// at most `retention_limit`) is replayed to duplicates of the same
-    /// request — those that waited for it and those arriving within this
-    /// window — before a retry runs again (default
-    /// [`EngineConfig::default`]'s, 0: released at once; 1 s covers
-    /// waiting duplicates — a client's own retry within the window gets the
-    /// failure too).
+    /// at most `retention_limit`) is kept for the duplicates that waited
+    /// for it, which get it replayed; a later retry waits out the window
+    /// and runs again (default [`EngineConfig::default`]'s, 1 s; 0:
+    /// released at once).
     /// See [`idem_core::Action::ReleaseWith`].
     pub share_failure: Duration,
     /// How long a key whose outcome is unknown (a 504, a broken response

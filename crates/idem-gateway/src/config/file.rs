@@ -860,7 +860,7 @@ pub const ROUTE_KEYS: &[RouteKey] = &[
     RouteKey { key: "ttl", ty: RouteKeyType::Duration, default: "the top-level `ttl`", doc: "How long a completed result is replayed; at least the lease." },
     RouteKey { key: "lease", ty: RouteKeyType::Duration, default: "the top-level `lease`", doc: "How long a claim holds (renewed while the upstream runs): at least 1s and longer than `store_timeout`." },
     RouteKey { key: "wait", ty: RouteKeyType::Duration, default: "the top-level `wait`", doc: "How long a duplicate waits for the original in flight; 0 answers 409 at once." },
-    RouteKey { key: "share_failure", ty: RouteKeyType::Duration, default: "the top-level `share_failure`", doc: "How long a released failure (5xx, upstream unreachable) is replayed to duplicates of the same request before a retry runs again; 0 releases at once." },
+    RouteKey { key: "share_failure", ty: RouteKeyType::Duration, default: "the top-level `share_failure`", doc: "How long a released failure (5xx, upstream unreachable) is kept for the duplicates that waited for it; a later retry waits out the window and runs again; 0 releases at once." },
     RouteKey { key: "hold_for", ty: RouteKeyType::Duration, default: "the top-level `hold_for`", doc: "How long a key whose outcome is unknown (504, broken body, result not saved) stays held before a retry may run it again; 0 holds it until its lease ends." },
     RouteKey { key: "max_body", ty: RouteKeyType::Size, default: "the top-level `max_body`", doc: "Largest request body, bytes (413 beyond); above 0, at most `max_buffered`." },
     RouteKey { key: "retention_limit", ty: RouteKeyType::Size, default: "the top-level `retention_limit`", doc: "Largest response body kept for replay, bytes." },

@@ -193,13 +193,13 @@ pub struct GatewayArgs {
     pub wait: Duration,
 
     /// How long the answer of a released failure (a 5xx, 502
-    /// `upstream-unreachable`; a body within `--retention-limit`) is
-    /// replayed, with `Retry-After`, to duplicates of the same request —
-    /// those that waited for it and those arriving within this window —
-    /// before a retry runs again; `0` (the default) releases the key at
-    /// once. Use it with `--wait` (1s is enough): without it each waiting
-    /// duplicate of a 5xx runs the request again in turn. A client's own
-    /// retry within the window gets the failure too.
+    /// `upstream-unreachable`; a body within `--retention-limit`) is kept,
+    /// with `Retry-After`, for the duplicates that waited for it (`--wait`,
+    /// on any instance): they get it replayed instead of each running the
+    /// request again in turn. A later retry, one that did not wait for that
+    /// execution (a client's own quick retry too), is not given the
+    /// failure: it waits out the window, at most twice this long, and runs
+    /// again. `0` releases the key at once.
     #[arg(long, env = "IDEM_SHARE_FAILURE", value_name = "DURATION", default_value = show_duration(Options::default().share_failure), value_parser = parse_duration)]
     pub share_failure: Duration,
 
