@@ -27,10 +27,14 @@ work gets the stored answer, and the same key with another request gets
                 gets 422.
   any-path      the fingerprint leaves the path out: the same key on
                 another path gets the first path's answer.
+  any-body      the fingerprint leaves the body out: the same key with
+                another body gets the first answer.
   lose-headers  a replay carries the status and body only: Location and
                 ETag are lost.
   any-key       no key validation: an empty, 300-character or tab-holding
                 key is used as it is.
+  no-retry-after  a copy that arrives while the first runs gets 409 without
+                Retry-After (only without race, which never answers 409).
 
 Prints "listening on http://127.0.0.1:PORT" once it serves (--port 0 picks
 a free port).
@@ -44,7 +48,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-FAULTS = {"race", "raw-body", "any-path", "lose-headers", "any-key"}
+FAULTS = {"race", "raw-body", "any-path", "any-body", "lose-headers", "any-key", "no-retry-after"}
 
 lock = threading.Lock()
 executions = 0
@@ -58,6 +62,8 @@ def fingerprint(faults, method, path, body):
         except ValueError:
             pass
     where = "" if "any-path" in faults else path
+    if "any-body" in faults:
+        body = b""
     return hashlib.sha256(method.encode() + b" " + where.encode() + b"\n" + body).hexdigest()
 
 
@@ -152,8 +158,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.answer(*response)
                 return
             if record == "in-flight":
-                self.problem(409, "in-flight", "the first request with this key is still running",
-                             [("Retry-After", "1")])
+                wait = [] if "no-retry-after" in self.faults else [("Retry-After", "1")]
+                self.problem(409, "in-flight", "the first request with this key is still running", wait)
                 return
         if record["fingerprint"] != fp:
             self.problem(422, "key-mismatch", "this key was used for another request")

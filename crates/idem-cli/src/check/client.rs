@@ -48,6 +48,11 @@ impl Url {
     /// A message naming what is wrong: not a URL, another scheme, user
     /// information, no host.
     pub(crate) fn parse(s: &str) -> Result<Url, String> {
+        if !s.contains("://") {
+            return Err(format!(
+                "{s:?} is not an absolute URL; write http://host:port/path"
+            ));
+        }
         let uri: http::Uri = s
             .trim()
             .parse()
