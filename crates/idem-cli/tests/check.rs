@@ -24,7 +24,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::Value;
-use support::{idem, serve, GatewayProc};
+use support::{
+    cleanup, idem, mariadb_args, serve, unique, with_param, GatewayProc, MYSQL, POSTGRES, REDIS,
+};
 
 /// The header that makes the upstreams slow, and the delay.
 const SLOW: &str = "X-Delay-Ms: 300";
@@ -264,16 +266,25 @@ const EVERY_CHECK_PASSES: [(&str, &str); 9] = [
 
 // ------------------------------------------------------------------- tests
 
-async fn gateway_passes_every_check(store: &str) {
+/// Runs `f` when dropped (cleanup that also runs when the test fails).
+struct Finally<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Finally<F> {
+    fn drop(&mut self) {
+        (self.0)();
+    }
+}
+
+/// The gateway on `store` (`{dir}`: a temporary folder), with `args`, in
+/// front of the counting upstream: every check passes; the in-flight
+/// retry gets 409, or the replay when `waits`.
+async fn gateway_passes_every_check(store: &str, args: &[&str], waits: bool) {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let store = store.replace("{dir}", &dir.path().display().to_string());
-    let gw = GatewayProc::start(
-        dir.path(),
-        "gw",
-        &["--upstream", &up.url, "--store", &store],
-    )
-    .await;
+    let mut gw_args = vec!["--upstream", up.url.as_str(), "--store", &store];
+    gw_args.extend_from_slice(args);
+    let gw = GatewayProc::start(dir.path(), "gw", &gw_args).await;
     let run = check_counted(&gw.url(""), &up.url, &[]).await;
     assert_eq!(run.code, 0, "{}\n{}\n{}", run.stdout, run.stderr, gw.logs());
     run.expect(&EVERY_CHECK_PASSES);
@@ -283,11 +294,18 @@ async fn gateway_passes_every_check(store: &str) {
         "{}",
         run.stdout
     );
-    assert!(
-        run.reason("in-flight").contains("409 with Retry-After: "),
-        "{}",
-        run.stdout
-    );
+    let in_flight = run.reason("in-flight");
+    if waits {
+        assert!(
+            in_flight.starts_with("the retry waited and got 201 (the replay)"),
+            "{in_flight}"
+        );
+    } else {
+        assert!(
+            in_flight.starts_with("409 with Retry-After: "),
+            "{in_flight}"
+        );
+    }
     assert!(
         run.reason("other-body").starts_with("422"),
         "{}",
@@ -319,12 +337,95 @@ async fn gateway_passes_every_check(store: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_on_memory_passes_every_check() {
-    gateway_passes_every_check("memory://").await;
+    gateway_passes_every_check("memory://", &[], false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_on_memory_in_wait_mode_passes_every_check() {
+    gateway_passes_every_check("memory://", &["--wait", "5s"], true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_on_sqlite_passes_every_check() {
-    gateway_passes_every_check("sqlite://{dir}/idem.db").await;
+    gateway_passes_every_check("sqlite://{dir}/idem.db", &[], false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_on_postgres_passes_every_check() {
+    let base = POSTGRES.require();
+    let schema = unique("check_pg");
+    let url = with_param(
+        &with_param(&base, "idem_schema", &schema),
+        "idem_table",
+        "records",
+    );
+    let _drop = Finally(|| {
+        let sql = format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
+        cleanup(
+            &format!("schema {schema}"),
+            "psql",
+            &[&base, "-q", "-c", &sql],
+        );
+    });
+    gateway_passes_every_check(&url, &[], false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_on_mariadb_passes_every_check() {
+    let base = MYSQL.require();
+    let table = unique("check_my");
+    let url = with_param(&base, "idem_table", &table);
+    let _drop = Finally(|| {
+        let mut args = mariadb_args(&base);
+        args.push("-e".into());
+        args.push(format!("DROP TABLE IF EXISTS `{table}`, `{table}_fence`"));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        cleanup(&format!("table {table}"), "mariadb", &args);
+    });
+    gateway_passes_every_check(&url, &[], false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_on_redis_passes_every_check() {
+    let base = REDIS.require();
+    let prefix = unique("check_rd");
+    let url = with_param(&base, "idem_prefix", &prefix);
+    let _drop = Finally(|| support::cleanup_redis_prefix(&base, &prefix));
+    gateway_passes_every_check(&url, &[], false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_keep_to_the_rate_limit() {
+    let up = Upstream::start().await;
+    let url = format!("{}/orders", up.url);
+    // 5 a second, bursts of 2: the third and fourth request wait.
+    let run = check(&[
+        &url,
+        "-d",
+        BODY,
+        "--rate",
+        "5",
+        "-n",
+        "2",
+        "--checks",
+        "invalid-keys,no-key",
+        "--json",
+    ])
+    .await;
+    let report = run.json();
+    let sent: Vec<f64> = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|c| c["requests"].as_array().unwrap().clone())
+        .map(|r| r["sent_ms"].as_f64().unwrap())
+        .collect();
+    assert_eq!(sent.len(), 4, "{}", run.stdout);
+    assert!(
+        sent[3] - sent[0] >= 350.0,
+        "not spaced by the rate: {sent:?}"
+    );
+    assert_eq!(report["requests_sent"], 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
