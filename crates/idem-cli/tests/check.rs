@@ -264,6 +264,51 @@ const EVERY_CHECK_PASSES: [(&str, &str); 9] = [
     ("no-key", "info"),
 ];
 
+/// The verdicts of the `n`-th report shown in README.md's section "Is my
+/// API idempotent?" (`FAIL` written `fail`), in table order.
+fn readme_verdicts(n: usize) -> Vec<(String, String)> {
+    let path: PathBuf = [env!("CARGO_MANIFEST_DIR"), "..", "..", "README.md"]
+        .iter()
+        .collect();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let section = text
+        .split("\n## Is my API idempotent?\n")
+        .nth(1)
+        .expect("README.md has a section \"Is my API idempotent?\"");
+    let section = section.split("\n## ").next().unwrap();
+    let block = section
+        .split("```text\n")
+        .nth(n + 1)
+        .and_then(|b| b.split("```").next())
+        .unwrap_or_else(|| panic!("README's section has no report {n}"));
+    let names: Vec<&str> = EVERY_CHECK_PASSES.iter().map(|(c, _)| *c).collect();
+    block
+        .lines()
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            let (check, verdict) = (words.next()?, words.next()?);
+            names
+                .contains(&check)
+                .then(|| (check.to_owned(), verdict.to_ascii_lowercase()))
+        })
+        .collect()
+}
+
+impl Run {
+    /// `check → verdict`, in report order.
+    fn verdicts(&self) -> Vec<(String, String)> {
+        self.json()["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                let name = c["check"].as_str().unwrap().to_owned();
+                (name, c["verdict"].as_str().unwrap().to_owned())
+            })
+            .collect()
+    }
+}
+
 // ------------------------------------------------------------------- tests
 
 /// Runs `f` when dropped (cleanup that also runs when the test fails).
@@ -510,6 +555,11 @@ async fn broken_check_then_set_service_shows_the_race() {
         "{}",
         run.stdout
     );
+    assert_eq!(
+        run.verdicts(),
+        readme_verdicts(0),
+        "README's report of the broken service is not what idem check answers"
+    );
     assert!(
         run.reason("disconnect")
             .starts_with("the retry ran again after a hang-up at 50ms: 2 executions"),
@@ -531,6 +581,11 @@ async fn broken_service_behind_the_gateway_passes() {
     let run = check_counted(&gw.url(""), &svc.url, &[]).await;
     assert_eq!(run.code, 0, "{}\n{}\n{}", run.stdout, run.stderr, gw.logs());
     run.expect(&EVERY_CHECK_PASSES);
+    assert_eq!(
+        run.verdicts(),
+        readme_verdicts(1),
+        "README's report of the service behind idem is not what idem check answers"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

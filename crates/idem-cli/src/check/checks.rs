@@ -531,7 +531,7 @@ impl Probe {
                     format!(
                         "409 with Retry-After: {secs} while the first was running{}",
                         match count.executions() {
-                            Ok(k) => format!("; {k} execution ({})", count.how()),
+                            Ok(k) => format!("; {} ({})", runs(k), count.how()),
                             Err(_) => String::new(),
                         }
                     ),
@@ -761,7 +761,7 @@ impl Probe {
                     ),
                 );
             }
-            let ran = ran.map_or(String::new(), |k| format!("; {k} more execution(s)"));
+            let ran = ran.map_or(String::new(), |k| format!("; {} more", runs(k)));
             return result(
                 Verdict::Fail,
                 format!("the other body ran under the same key ({s}{ran})"),
@@ -771,7 +771,7 @@ impl Probe {
             if let Some(k) = ran.filter(|k| *k > 0) {
                 return result(
                     Verdict::Fail,
-                    format!("the other body got {s}, but it ran: {k} more execution(s)"),
+                    format!("the other body got {s}, but it ran: {} more", runs(k)),
                 );
             }
             if !control.answer().is_some_and(Answer::success) {
@@ -859,11 +859,11 @@ impl Probe {
             );
         }
         let ran = match (mid, after) {
-            (Some(m), Some(x)) => format!("; {} execution(s) there", x.saturating_sub(m)),
+            (Some(m), Some(x)) => format!("; {} there", runs(x.saturating_sub(m))),
             _ => String::new(),
         };
         let what = match s {
-            422 => "refused: the key was used for another request".to_owned(),
+            422 => "the key was used for another request".to_owned(),
             404 | 405 => format!(
                 "not the first answer (no such route: --other-path names one that exists){ran}"
             ),
@@ -922,7 +922,7 @@ impl Probe {
         let whats: Vec<&str> = self.plan.variants.iter().map(|v| v.what).collect();
         if bad.is_empty() {
             let counted = match count.executions() {
-                Ok(k) => format!("; {k} execution ({})", count.how()),
+                Ok(k) => format!("; {} ({})", runs(k), count.how()),
                 Err(_) => String::new(),
             };
             return Ok(CheckResult::new(
@@ -973,8 +973,8 @@ impl Probe {
         if let (Some(b), Some(a)) = (before, after) {
             if a > b {
                 bad.push(format!(
-                    "{} execution(s) for invalid keys (count {b} → {a})",
-                    a - b
+                    "{} for invalid keys (count {b} → {a})",
+                    runs(a - b)
                 ));
             }
         }
@@ -1002,7 +1002,7 @@ impl Probe {
             .await;
         let after = self.settled_count().await?;
         let ran = match (before, after) {
-            (Some(b), Some(a)) => format!(" and ran ({} execution(s))", a.saturating_sub(b)),
+            (Some(b), Some(a)) => format!(" and ran ({})", runs(a.saturating_sub(b))),
             _ => String::new(),
         };
         let reason = match ex.answer() {
@@ -1017,6 +1017,15 @@ impl Probe {
             None => format!("no answer: {}", failure_of(&ex)),
         };
         Ok(CheckResult::new(check, &[ex], Verdict::Info, reason))
+    }
+}
+
+/// `1 execution`, `2 executions`.
+fn runs(n: u64) -> String {
+    if n == 1 {
+        "1 execution".to_owned()
+    } else {
+        format!("{n} executions")
     }
 }
 
