@@ -528,7 +528,10 @@ async fn bare_upstream_runs_concurrent_duplicates_more_than_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_check_then_set_service_shows_the_race() {
     let svc = Broken::start("race");
-    let run = check_counted(&svc.url, &svc.url, &[]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let page = dir.path().join("report.html");
+    let page_arg = page.display().to_string();
+    let run = check_counted(&svc.url, &svc.url, &["--html", &page_arg]).await;
     assert_eq!(run.code, 1, "{}\n{}", run.stdout, run.stderr);
     // The race, and nothing else: its replays, fingerprints and key checks
     // are right.
@@ -555,6 +558,25 @@ async fn broken_check_then_set_service_shows_the_race() {
         "{}",
         run.stdout
     );
+    // The timeline: one bar per request of the concurrency checks, eight
+    // copies that all ran, the hang-up.
+    let html = std::fs::read_to_string(&page).expect("--html wrote the page");
+    assert!(html.starts_with("<!doctype html>"), "{html}");
+    for section in ["<h2>concurrent — ", "<h2>in-flight — ", "<h2>disconnect — "] {
+        assert!(html.contains(section), "no {section:?} in the page");
+    }
+    let concurrent = html
+        .split("<h2>concurrent — ")
+        .nth(1)
+        .and_then(|s| s.split("</svg>").next())
+        .unwrap();
+    assert_eq!(
+        concurrent.matches("<rect class=\"run\"").count(),
+        8,
+        "{concurrent}"
+    );
+    assert!(html.contains("<rect class=\"hungup\""), "no hang-up bar");
+    assert!(html.matches("<rect ").count() >= 8 + 2 + 2, "{html}");
     assert_eq!(
         run.verdicts(),
         readme_verdicts(0),
@@ -764,7 +786,7 @@ async fn dry_run_prints_the_plan_and_sends_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_errors_exit_2_with_a_reason() {
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["http://192.0.2.1/orders"], "--allow-host 192.0.2.1"),
         (&["https://127.0.0.1/orders"], "https:// is not supported"),
         (&["127.0.0.1/orders"], "not an absolute URL"),
@@ -790,6 +812,10 @@ async fn usage_errors_exit_2_with_a_reason() {
         (
             &["http://127.0.0.1/o", "--id-pointer", "id"],
             "not a JSON Pointer",
+        ),
+        (
+            &["http://127.0.0.1/o", "--html", "/nonexistent-dir/x.html"],
+            "--html /nonexistent-dir/x.html",
         ),
     ];
     for (args, message) in cases {

@@ -230,6 +230,11 @@ impl Exchange {
             outcome,
             status: self.status(),
             replayed: self.answer().is_some_and(Answer::replayed),
+            retry_after: self.answer().and_then(|a| {
+                a.headers
+                    .get(header::RETRY_AFTER)
+                    .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            }),
             error,
         }
     }
@@ -257,6 +262,8 @@ pub(crate) struct RequestRecord {
     pub(crate) status: Option<u16>,
     /// Whether the answer carried `Idempotent-Replayed: true`.
     pub(crate) replayed: bool,
+    /// The answer's `Retry-After`, as sent.
+    pub(crate) retry_after: Option<String>,
     pub(crate) error: Option<String>,
 }
 

@@ -12,13 +12,16 @@
 //! - [`checks`]: the checks;
 //! - [`report`]: verdicts, the table and the JSON;
 //! - [`body`]: the body variants (same JSON in another order or spacing,
-//!   another body).
+//!   another body);
+//! - [`html`]: `--html FILE`, the report with a timeline of the
+//!   concurrency checks.
 //!
 //! Exit status: 0 no check failed, 1 a check failed, 2 a usage error.
 
 mod body;
 mod checks;
 mod client;
+mod html;
 mod plan;
 mod report;
 
@@ -166,6 +169,12 @@ pub(crate) struct CheckArgs {
     /// Print the plan (the requests it would send) and send nothing.
     #[arg(long)]
     pub(crate) dry_run: bool,
+
+    /// Also write the report as an HTML page to FILE, with a timeline of
+    /// the requests of concurrent, in-flight and disconnect (who ran, who
+    /// waited, who got 409 or the replay).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) html: Option<PathBuf>,
 }
 
 fn positive_duration(s: &str) -> Result<Duration, String> {
@@ -190,7 +199,24 @@ pub(crate) async fn run(args: CheckArgs) -> ExitCode {
         let _ = write!(out, "{}", plan.describe());
         return ExitCode::SUCCESS;
     }
+    // The file is made before anything is sent: a path that cannot be
+    // written is a usage error, not a lost report.
+    let html = match &args.html {
+        Some(path) => match std::fs::File::create(path) {
+            Ok(file) => Some((path, file)),
+            Err(e) => {
+                eprintln!("idem check: --html {}: {e}", path.display());
+                return ExitCode::from(2);
+            }
+        },
+        None => None,
+    };
     let report = checks::Probe::new(plan).run().await;
+    if let Some((path, mut file)) = html {
+        if let Err(e) = file.write_all(html::page(&report).as_bytes()) {
+            eprintln!("idem check: --html {}: {e}", path.display());
+        }
+    }
     let text = if args.json {
         format!("{}\n", report.json())
     } else {
