@@ -280,32 +280,34 @@ impl Probe {
         check: CheckId,
         first: &'a Exchange,
         all: &[Exchange],
-    ) -> Result<&'a Answer, CheckResult> {
+    ) -> Result<&'a Answer, Box<CheckResult>> {
         match &first.outcome {
             Outcome::Answered(a) if a.success() => Ok(a),
-            Outcome::Answered(a) => Err(CheckResult::new(
-                check,
-                all,
-                Verdict::Fail,
-                format!(
+            Outcome::Answered(a) => Err(Box::new(
+                CheckResult::new(
+                    check,
+                    all,
+                    Verdict::Fail,
+                    format!(
                     "the first request got {}, not 2xx, so there is nothing to compare; fix the \
                      request (--data, -H, -X) first",
                     a.status
                 ),
-            )
-            .with_details(vec![format!("body: {}", super::plan::excerpt(&a.body))])),
-            Outcome::Failed(e) => Err(CheckResult::new(
+                )
+                .with_details(vec![format!("body: {}", super::plan::excerpt(&a.body))]),
+            )),
+            Outcome::Failed(e) => Err(Box::new(CheckResult::new(
                 check,
                 all,
                 Verdict::Fail,
                 format!("the first request got no answer: {e}"),
-            )),
-            Outcome::HungUp => Err(CheckResult::new(
+            ))),
+            Outcome::HungUp => Err(Box::new(CheckResult::new(
                 check,
                 all,
                 Verdict::Fail,
                 "the first request got no answer".to_owned(),
-            )),
+            ))),
         }
     }
 
@@ -393,7 +395,7 @@ impl Probe {
         let first = self.client.send(&req, "first").await;
         let a = match self.premise(check, &first, std::slice::from_ref(&first)) {
             Ok(a) => a.clone(),
-            Err(r) => return Ok(r),
+            Err(r) => return Ok(*r),
         };
         let retry = self.client.send(&req, "retry after it completed").await;
         let after = self.settled_count().await?;
@@ -501,7 +503,7 @@ impl Probe {
             };
         let a = match self.premise(check, &first, &exchanges) {
             Ok(a) => a,
-            Err(r) => return Ok(r),
+            Err(r) => return Ok(*r),
         };
         let count = self.count(before, after, &[&first, &second]);
         let fail = |reason: String| {
@@ -711,7 +713,7 @@ impl Probe {
             .await;
         let a = match self.premise(check, &first, std::slice::from_ref(&first)) {
             Ok(a) => a.clone(),
-            Err(r) => return Ok(r),
+            Err(r) => return Ok(*r),
         };
         let mid = self.read_count().await?;
         let other = self.plan.other_body.clone();
@@ -815,7 +817,7 @@ impl Probe {
             .await;
         let a = match self.premise(check, &first, std::slice::from_ref(&first)) {
             Ok(a) => a.clone(),
-            Err(r) => return Ok(r),
+            Err(r) => return Ok(*r),
         };
         let mid = self.read_count().await?;
         let path = &self.plan.other_path;
@@ -885,7 +887,7 @@ impl Probe {
             .await;
         let a = match self.premise(check, &first, std::slice::from_ref(&first)) {
             Ok(a) => a.clone(),
-            Err(r) => return Ok(r),
+            Err(r) => return Ok(*r),
         };
         let mut exchanges = vec![first];
         let mut bad = Vec::new();
