@@ -786,7 +786,7 @@ async fn dry_run_prints_the_plan_and_sends_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_errors_exit_2_with_a_reason() {
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["http://192.0.2.1/orders"], "--allow-host 192.0.2.1"),
         (&["https://127.0.0.1/orders"], "https:// is not supported"),
         (&["127.0.0.1/orders"], "not an absolute URL"),
@@ -817,6 +817,7 @@ async fn usage_errors_exit_2_with_a_reason() {
             &["http://127.0.0.1/o", "--html", "/nonexistent-dir/x.html"],
             "--html /nonexistent-dir/x.html",
         ),
+        (&["http://127.0.0.1/o", "--rate", "1e-300"], "at least 0.1"),
     ];
     for (args, message) in cases {
         let run = check(args).await;
@@ -853,12 +854,14 @@ async fn usage_errors_exit_2_with_a_reason() {
 
 /// `idem demo --no-showcase` (the orders example behind a gateway, on free
 /// ports): its gateway URL; the child is killed on drop.
+#[cfg(feature = "demo")]
 struct Demo {
     child: Child,
     gateway: String,
     _dir: tempfile::TempDir,
 }
 
+#[cfg(feature = "demo")]
 impl Demo {
     fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
@@ -903,6 +906,7 @@ impl Demo {
     }
 }
 
+#[cfg(feature = "demo")]
 impl Drop for Demo {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -910,6 +914,7 @@ impl Drop for Demo {
     }
 }
 
+#[cfg(feature = "demo")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_orders_example_behind_the_demo_gateway_passes() {
     let demo = Demo::start();

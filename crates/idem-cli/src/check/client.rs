@@ -85,6 +85,17 @@ impl Url {
         if host.is_empty() {
             return Err(format!("{s:?} names no host"));
         }
+        // A port that is not one (`:99999`, `:`) must not fall back to 80.
+        let raw = authority.as_str();
+        let after_host = &raw[raw.rfind(']').map_or(0, |i| i + 1)..];
+        let port = match after_host.rsplit_once(':') {
+            Some((_, p)) => p
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| format!("{s:?}: {p:?} is not a port (1 to 65535)"))?,
+            None => 80,
+        };
         let target = match uri.path_and_query().map(|p| p.as_str()) {
             None | Some("") => "/".to_owned(),
             Some(p) if !p.starts_with('/') => format!("/{p}"),
@@ -93,7 +104,7 @@ impl Url {
         Ok(Url {
             origin: Origin {
                 host: host.to_owned(),
-                port: authority.port_u16().unwrap_or(80),
+                port,
                 authority: authority.as_str().to_owned(),
             },
             target,
@@ -534,5 +545,10 @@ mod tests {
         assert!(Url::parse("/orders").unwrap_err().contains("absolute"));
         assert!(Url::parse("http://u:p@x/").unwrap_err().contains("user"));
         assert!(Url::parse("not a url").is_err());
+        assert!(Url::parse("http://127.0.0.1:99999/")
+            .unwrap_err()
+            .contains("not a port"));
+        assert!(Url::parse("http://127.0.0.1:/").is_err());
+        assert_eq!(Url::parse("http://[::1]/").unwrap().origin.port, 80);
     }
 }

@@ -150,7 +150,7 @@ pub(crate) struct CheckArgs {
     #[arg(long = "allow-host", value_name = "HOST")]
     pub(crate) allow_hosts: Vec<String>,
 
-    /// Most requests a second (bursts of --concurrency).
+    /// Most requests a second, at least 0.1 (bursts of --concurrency).
     #[arg(long, value_name = "N", default_value_t = 50.0)]
     pub(crate) rate: f64,
 

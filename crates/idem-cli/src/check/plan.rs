@@ -143,6 +143,9 @@ impl CheckId {
     }
 }
 
+/// The lowest `--rate` (requests a second).
+pub(crate) const MIN_RATE: f64 = 0.1;
+
 /// Most polls of a retry that keeps getting 409 (the disconnect check).
 pub(crate) const MAX_POLLS: usize = 20;
 /// Most reads of the count URL to see it settle after a check.
@@ -328,9 +331,9 @@ impl Plan {
         for h in &args.ignore_headers {
             ignore_headers.push(header_name("--ignore-header", h)?);
         }
-        if !(args.rate.is_finite() && args.rate > 0.0) {
+        if !(args.rate.is_finite() && args.rate >= MIN_RATE) {
             return Err(format!(
-                "--rate {}: give a number of requests a second above 0",
+                "--rate {}: give a number of requests a second, at least {MIN_RATE}",
                 args.rate
             ));
         }
