@@ -873,6 +873,13 @@ impl Demo {
             .spawn()
             .expect("start idem demo");
         let stdout = child.stdout.take().expect("piped");
+        // Owned by the guard from here on: killed and waited for on any
+        // panic below.
+        let mut demo = Demo {
+            child,
+            gateway: String::new(),
+            _dir: dir,
+        };
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
@@ -884,7 +891,7 @@ impl Demo {
         });
         let mut seen = String::new();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
+        while demo.gateway.is_empty() {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             let line = rx
                 .recv_timeout(left)
@@ -896,13 +903,10 @@ impl Demo {
                 .strip_prefix("gateway")
                 .and_then(|rest| rest.split_whitespace().find(|w| w.starts_with("http://")));
             if let Some(url) = gateway {
-                return Demo {
-                    child,
-                    gateway: url.trim_end_matches('/').to_owned(),
-                    _dir: dir,
-                };
+                demo.gateway = url.trim_end_matches('/').to_owned();
             }
         }
+        demo
     }
 }
 
