@@ -3,6 +3,9 @@
 //! and the broken Python service (`examples/broken-idempotency/server.py`,
 //! a check-then-set middleware) fail the checks they should, and only
 //! those; each other fault of the Python service fails its own check.
+//! The checks are CASES A1 (concurrent), A2 (in-flight), D1 and C2
+//! (replay), D2 (disconnect), E1 (invalid keys, no key) and E2 (other
+//! path) seen from outside.
 //!
 //! The upstream is an axum app in the test process that counts executions
 //! (`GET /count`) and sleeps `X-Delay-Ms` per request; the gateway, the

@@ -313,7 +313,7 @@ impl Probe {
 
     // -------------------------------------------------------------- checks
 
-    /// (a) N concurrent copies with one key → one execution.
+    /// (a) N concurrent copies with one key → one execution (CASES A1).
     async fn concurrent(&self) -> Result<CheckResult, String> {
         let check = CheckId::Concurrent;
         let n = self.plan.concurrency;
@@ -386,7 +386,7 @@ impl Probe {
     }
 
     /// (b) A retry after the first completed → the same status, headers
-    /// and body, and no second execution.
+    /// and body, and no second execution (CASES C2, D1).
     async fn replay(&self) -> Result<CheckResult, String> {
         let check = CheckId::Replay;
         let key = fresh_key();
@@ -455,7 +455,7 @@ impl Probe {
     }
 
     /// (i) A retry while the first still runs → 409 with a sane
-    /// Retry-After, or the replay; never a second execution.
+    /// Retry-After, or the replay; never a second execution (CASES A2).
     async fn in_flight(&self) -> Result<CheckResult, String> {
         let check = CheckId::InFlight;
         let key = fresh_key();
@@ -585,7 +585,7 @@ impl Probe {
     }
 
     /// (h) A client that hangs up before the answer, then retries with the
-    /// same key → one execution, and the retry gets the answer.
+    /// same key → one execution, and the retry gets the answer (CASES D2).
     async fn disconnect(&self) -> Result<CheckResult, String> {
         let check = CheckId::Disconnect;
         let key = fresh_key();
@@ -807,7 +807,8 @@ impl Probe {
         )
     }
 
-    /// (d) The same key on another path: never the first path's answer.
+    /// (d) The same key on another path: never the first path's answer
+    /// (CASES E2).
     async fn other_path(&self) -> Result<CheckResult, String> {
         let check = CheckId::OtherPath;
         let key = fresh_key();
@@ -945,7 +946,7 @@ impl Probe {
         Ok(CheckResult::new(check, &exchanges, Verdict::Fail, reason).with_details(details))
     }
 
-    /// (g) Invalid keys → 4xx, and nothing runs.
+    /// (g) Invalid keys → 4xx, and nothing runs (CASES E1).
     async fn invalid_keys(&self) -> Result<CheckResult, String> {
         let check = CheckId::InvalidKeys;
         let before = self.read_count().await?;
@@ -994,7 +995,8 @@ impl Probe {
         Ok(CheckResult::new(check, &exchanges, Verdict::Fail, reason).with_details(details))
     }
 
-    /// (f) A request without a key: what the API does (informational).
+    /// (f) A request without a key: what the API does (informational;
+    /// CASES E1).
     async fn no_key(&self) -> Result<CheckResult, String> {
         let check = CheckId::NoKey;
         let before = self.read_count().await?;
