@@ -11,7 +11,11 @@
 //!   schema` prints the file's JSON Schema (docs/CONFIG.md).
 //! - `idem keys` lists, shows, deletes and purges records in a store (a key
 //!   stuck in flight after a crash, freed so that a retry runs now).
+//! - `idem check URL` probes any HTTP endpoint (through idem or not) for
+//!   idempotency faults: concurrent duplicates that run twice, replays
+//!   that differ, keys not tied to the request, and more.
 
+mod check;
 #[cfg(feature = "demo")]
 mod demo;
 mod keys;
@@ -30,11 +34,12 @@ use tracing_subscriber::{EnvFilter, Layer};
 const LONG_ABOUT: &str = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
      `idem gateway` is a reverse proxy that gives any HTTP service the guarantee without a change \
      to its code; `idem demo` shows it at work in front of a sample payment service; `idem keys` \
-     finds and frees keys in a store.";
+     finds and frees keys in a store; `idem check URL` probes any API for idempotency faults.";
 #[cfg(not(feature = "demo"))]
 const LONG_ABOUT: &str = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
      `idem gateway` is a reverse proxy that gives any HTTP service the guarantee without a change \
-     to its code; `idem keys` finds and frees keys in a store. (This binary was built without the Cargo feature `demo`, so `idem demo` is \
+     to its code; `idem keys` finds and frees keys in a store; `idem check URL` probes any API \
+     for idempotency faults. (This binary was built without the Cargo feature `demo`, so `idem demo` is \
      not in it.)";
 #[cfg(feature = "demo")]
 const AFTER_HELP: &str = "Start with `idem demo`. Logs go to stderr; set RUST_LOG (e.g. \
@@ -96,6 +101,11 @@ enum Command {
     /// Find and free keys: list, show, delete or purge records in a store.
     #[command(long_about = keys::LONG_ABOUT)]
     Keys(keys::KeysArgs),
+
+    /// Probe an HTTP endpoint for idempotency faults (concurrent
+    /// duplicates, replays, key reuse); exit status 1 when a check fails.
+    #[command(long_about = check::LONG_ABOUT)]
+    Check(check::CheckArgs),
 
     /// Start a sample payment service behind a gateway and show that 20
     /// concurrent duplicate requests charge once.
@@ -181,6 +191,8 @@ fn main() -> ExitCode {
         // Tables and JSON go to stdout; stderr gets warnings (a deletion's
         // who/what/when line) unless RUST_LOG asks for more.
         Command::Keys(_) => "warn",
+        // The report goes to stdout.
+        Command::Check(_) => "warn",
         // The demo prints its own story on stdout; logs would interleave with
         // it, so only warnings unless RUST_LOG asks for more.
         #[cfg(feature = "demo")]
@@ -237,6 +249,7 @@ fn main() -> ExitCode {
             }
             Command::Config(_) => unreachable!("answered before the runtime starts"),
             Command::Keys(args) => keys::run(args).await,
+            Command::Check(args) => check::run(args).await,
             #[cfg(feature = "demo")]
             Command::Demo(args) => demo::run(args).await,
             #[cfg(not(feature = "demo"))]
