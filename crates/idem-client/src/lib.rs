@@ -37,18 +37,19 @@
 //! use hyper_util::client::legacy::Client;
 //! use hyper_util::rt::TokioExecutor;
 //! use idem_client::{Attempts, IdempotentLayer, Replayed};
-//! use tower::{Service, ServiceBuilder, ServiceExt};
+//! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! # async fn pay() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-//! let mut client = ServiceBuilder::new()
+//! let client = ServiceBuilder::new()
 //!     .layer(IdempotentLayer::new())
 //!     .service(http);
 //!
 //! let request = http::Request::post("http://127.0.0.1:8080/orders/1/pay")
 //!     .header("content-type", "application/json")
 //!     .body(Full::new(Bytes::from_static(br#"{"amount":1200}"#)))?;
-//! let response = client.ready().await?.call(request).await?;
+//! // One logical request: `oneshot` on a clone (the clones share hyper's pool).
+//! let response = client.clone().oneshot(request).await?;
 //! let replayed = response.extensions().get::<Replayed>().is_some_and(|r| r.0);
 //! let attempts = response.extensions().get::<Attempts>().map_or(1, |a| a.0);
 //! println!("{} after {attempts} attempt(s), replayed: {replayed}", response.status());
@@ -70,7 +71,7 @@
 //! use bytes::Bytes;
 //! use http_body_util::Full;
 //! use idem_client::{Attempts, IdempotentLayer, RetryPolicy};
-//! use tower::{service_fn, Layer, Service, ServiceExt};
+//! use tower::{service_fn, Layer, ServiceExt};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
@@ -91,12 +92,12 @@
 //!     })
 //! };
 //! let policy = RetryPolicy::default().with_base_delay(Duration::from_millis(1));
-//! let mut client = IdempotentLayer::new().with_policy(policy).layer(server);
+//! let client = IdempotentLayer::new().with_policy(policy).layer(server);
 //!
 //! let request = http::Request::post("http://api.example/orders")
 //!     .body(Full::new(Bytes::from_static(b"{}")))
 //!     .unwrap();
-//! let response = client.ready().await.unwrap().call(request).await.unwrap();
+//! let response = client.oneshot(request).await.unwrap();
 //! assert_eq!(response.status(), 201);
 //! assert_eq!(response.extensions().get::<Attempts>(), Some(&Attempts(2)));
 //! let seen = seen.lock().unwrap();
