@@ -270,10 +270,7 @@ fn with_key(mut req: http::Request<Full<Bytes>>, key: &str) -> http::Request<Ful
     req
 }
 
-async fn send(
-    c: &IdempotentService<Http>,
-    req: http::Request<Full<Bytes>>,
-) -> Result<Got, Error> {
+async fn send(c: &IdempotentService<Http>, req: http::Request<Full<Bytes>>) -> Result<Got, Error> {
     let r = c.clone().oneshot(req).await?;
     let replayed = r.extensions().get::<Replayed>().copied();
     let attempts = r.extensions().get::<Attempts>().copied();
@@ -351,12 +348,9 @@ async fn a_first_attempt_slower_than_its_timeout_waits_out_the_409_and_gets_the_
             .with_max_attempts(4),
     );
     let start = Instant::now();
-    let got = send(
-        &c,
-        post(gw.addr, "/orders?ms=700&first_only=true", "{}"),
-    )
-    .await
-    .unwrap();
+    let got = send(&c, post(gw.addr, "/orders?ms=700&first_only=true", "{}"))
+        .await
+        .unwrap();
     let took = start.elapsed();
 
     // 1: timed out; 2: 409 in flight, Retry-After 5 s bounded to 1 s; 3: the replay.
@@ -442,9 +436,7 @@ async fn a_key_reused_with_another_request_gets_422_once_and_400_is_not_retried(
     );
 
     // An ambiguous path: the gateway's 400, not retried.
-    let got = send(&c, post(gw.addr, "/orders%2Fx", "{}"))
-        .await
-        .unwrap();
+    let got = send(&c, post(gw.addr, "/orders%2Fx", "{}")).await.unwrap();
     assert_eq!(got.status, StatusCode::BAD_REQUEST, "{got:?}");
     assert_eq!(got.attempts, 1);
     assert_eq!(up.counts.hits(), 1);
