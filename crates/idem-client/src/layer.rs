@@ -1,33 +1,13 @@
-//! [`IdempotentLayer`]: the settings, and the layer that wraps a client.
+//! [`IdempotentLayer`]: its builders, and the layer that wraps a client.
 
 use std::sync::Arc;
 
 use http::{HeaderName, Method};
 use tower_layer::Layer;
 
+use crate::config::{Config, DEFAULT_MAX_BODY, IDEMPOTENCY_KEY};
 use crate::policy::RetryPolicy;
 use crate::service::IdempotentService;
-
-/// Default [`IdempotentLayer::with_max_body`]: 10 MiB, the gateway's
-/// default `--max-body`.
-pub const DEFAULT_MAX_BODY: usize = 10 * 1024 * 1024;
-
-/// The default key header, `Idempotency-Key` (IETF httpapi draft "The
-/// Idempotency-Key HTTP Header Field" §2).
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// The header a server marks a replayed response with (`true`), as idem
-/// and Stripe do.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-
-#[derive(Clone, Debug)]
-pub(crate) struct Config {
-    pub(crate) header: HeaderName,
-    pub(crate) methods: Vec<Method>,
-    pub(crate) policy: RetryPolicy,
-    pub(crate) max_body: usize,
-    pub(crate) quoted: bool,
-}
 
 /// A tower [`Layer`] that gives every keyed request (POST and PATCH by
 /// default) an idempotency key and retries it, with that same key, until

@@ -106,6 +106,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod config;
 mod error;
 mod key;
 mod layer;
@@ -113,9 +114,10 @@ mod policy;
 pub mod retry_after;
 mod service;
 
+pub use config::{DEFAULT_MAX_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 pub use error::{BoxError, Error, Failure};
 pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
-pub use layer::{IdempotentLayer, DEFAULT_MAX_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use layer::IdempotentLayer;
 pub use policy::{
     is_retryable, RetryPolicy, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_BASE_DELAY, DEFAULT_DEADLINE,
     DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DELAY, DEFAULT_MAX_RETRY_AFTER,

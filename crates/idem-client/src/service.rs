@@ -15,9 +15,9 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 use tower_service::Service;
 
+use crate::config::{Config, IDEMPOTENT_REPLAYED};
 use crate::error::{BoxError, Error, Failure};
 use crate::key::{IdempotencyKey, InvalidKey};
-use crate::layer::{Config, IDEMPOTENT_REPLAYED};
 use crate::policy::{verdict, Verdict};
 use crate::retry_after::retry_after;
 
@@ -296,7 +296,7 @@ mod tests {
         h
     }
 
-    const K: HeaderName = crate::layer::IDEMPOTENCY_KEY;
+    const K: HeaderName = crate::config::IDEMPOTENCY_KEY;
 
     #[test]
     fn the_header_wins_then_the_extension_then_a_fresh_key() {
