@@ -152,8 +152,13 @@ impl Drop for TestGateway {
 /// The real gateway in front of `up`: memory store, a 5 s lease (so its
 /// 409 says `Retry-After: 5` or less), no admin listener.
 async fn gateway(up: &Upstream) -> TestGateway {
+    gateway_on(up, "127.0.0.1:0".parse().unwrap()).await
+}
+
+/// Like [`gateway`], listening on `listen`.
+async fn gateway_on(up: &Upstream, listen: SocketAddr) -> TestGateway {
     let mut c = GatewayConfig::new(format!("http://{}", up.addr).parse().unwrap());
-    c.listen = "127.0.0.1:0".parse().unwrap();
+    c.listen = listen;
     c.store = "memory://".into();
     c.admin_listen = idem_gateway::AdminListen::Off;
     c.layer.lease = Duration::from_secs(5);
@@ -541,4 +546,55 @@ async fn the_deadline_caps_the_total_time() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[tokio::test]
+async fn a_refused_connection_is_retried_until_the_gateway_listens() {
+    let up = upstream().await;
+    // A free port, closed again: connections to it are refused until the
+    // gateway binds it 300 ms later.
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let c = client(policy().with_max_attempts(100));
+    let call = tokio::spawn({
+        let c = c.clone();
+        async move { send(&c, post(addr, "/orders", "{}")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!call.is_finished(), "still retrying");
+    let _gw = gateway_on(&up, addr).await;
+    let got = call.await.unwrap().unwrap();
+    assert_eq!(got.status, StatusCode::CREATED, "{got:?}");
+    assert!(got.attempts > 1, "{got:?}");
+    assert!(!got.replayed);
+    assert_eq!(up.counts.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_quoted_key_and_the_bare_key_are_one_key_to_the_gateway() {
+    let up = upstream().await;
+    let gw = gateway(&up).await;
+    let quoted = IdempotentLayer::new()
+        .with_quoted_key(true)
+        .with_policy(policy())
+        .layer(Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>());
+    let first = send(
+        &quoted,
+        with_key(post(gw.addr, "/orders", "{}"), "order-77"),
+    )
+    .await
+    .unwrap();
+    assert_eq!((first.status, first.replayed), (StatusCode::CREATED, false));
+    // The gateway forwards the bare key.
+    assert_eq!(up.counts.keys(), ["order-77"]);
+    let bare = client(policy());
+    let again = send(&bare, with_key(post(gw.addr, "/orders", "{}"), "order-77"))
+        .await
+        .unwrap();
+    assert!(again.replayed, "{again:?}");
+    assert_eq!(again.body, first.body);
+    assert_eq!(up.counts.hits(), 1);
 }
