@@ -14,7 +14,7 @@
 //!
 //! | outcome of an attempt | what happens |
 //! |---|---|
-//! | 2xx, 3xx, 400, 422, any other 4xx | returned as it is (final) |
+//! | 2xx, 3xx, 400, 422, any 4xx but 409 and 429 | returned as it is (final) |
 //! | `Idempotent-Replayed: true` | returned, with [`Replayed`]`(true)`: treat it as success |
 //! | 409 (still in flight), 429 | retried after `Retry-After` (bounded), else the backoff |
 //! | 5xx except 501, 505 (502, 503, 504 included) | retried after the backoff (or `Retry-After`) |

@@ -66,6 +66,16 @@ pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, Error>> + Sen
 /// A response body that breaks after its headers arrived is the caller's
 /// to see (reading the body fails): resend the request with the response's
 /// [`IdempotencyKey`] extension to get the stored answer.
+///
+/// # Errors
+/// Before anything is sent: [`Error::InvalidKey`] (the request's key header
+/// or extension breaks the draft's syntax, or there are two key fields),
+/// [`Error::BodyTooLarge`], [`Error::Body`]. After: [`Error::AttemptsExhausted`]
+/// (every attempt allowed got a retryable outcome) and
+/// [`Error::DeadlineExceeded`] (no time left for the next attempt or wait),
+/// both with the attempts made, the last [`crate::Failure`] and the key.
+/// The outcome of a request whose attempts all failed is unknown: it may
+/// have run (a lost response). Ask again later with the same key.
 #[derive(Clone, Debug)]
 pub struct IdempotentService<S> {
     inner: S,
