@@ -180,9 +180,17 @@ async fn gateway_on(up: &Upstream, listen: SocketAddr) -> TestGateway {
 
 // ---------------------------------------------------------- cutting proxy
 
+/// Where [`cut_proxy`] cuts a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cut {
+    /// When the first byte of the answer arrives; none of it is passed on.
+    BeforeAnswer,
+    /// After the answer's head and the first byte of its body are passed on.
+    InBody,
+}
+
 /// A TCP proxy to `target` whose first `cuts` connections lose the
-/// response: the request is forwarded, and when the first bytes of the
-/// answer arrive both sockets are closed without passing them on.
+/// response at `at`: the request is forwarded, then both sockets are closed.
 struct CutProxy {
     addr: SocketAddr,
     cut: Arc<AtomicUsize>,
@@ -195,7 +203,7 @@ impl Drop for CutProxy {
     }
 }
 
-async fn cut_proxy(target: SocketAddr, cuts: usize) -> CutProxy {
+async fn cut_proxy(target: SocketAddr, cuts: usize, at: Cut) -> CutProxy {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let cut = Arc::new(AtomicUsize::new(0));
@@ -218,21 +226,30 @@ async fn cut_proxy(target: SocketAddr, cuts: usize) -> CutProxy {
                     let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
                     return;
                 }
-                let (mut cr, _cw) = client.split();
+                let (mut cr, mut cw) = client.split();
                 let (mut sr, mut sw) = server.split();
                 let mut buf = [0u8; 8192];
-                let mut from_server = [0u8; 1];
+                let mut answer = Vec::new();
+                let mut chunk = [0u8; 8192];
                 loop {
                     tokio::select! {
                         n = cr.read(&mut buf) => match n {
                             Ok(0) | Err(_) => return,
                             Ok(n) => if sw.write_all(&buf[..n]).await.is_err() { return },
                         },
-                        n = sr.read(&mut from_server) => {
-                            if matches!(n, Ok(1)) {
-                                // The gateway's response started: lose it.
-                                cut.fetch_add(1, Ordering::SeqCst);
+                        n = sr.read(&mut chunk) => {
+                            let Ok(n @ 1..) = n else { return };
+                            answer.extend_from_slice(&chunk[..n]);
+                            let head_end = answer.windows(4).position(|w| w == b"\r\n\r\n");
+                            match (at, head_end) {
+                                (Cut::BeforeAnswer, _) => {}
+                                (Cut::InBody, Some(end)) if answer.len() > end + 4 => {
+                                    let _ = cw.write_all(&answer[..end + 5]).await;
+                                    let _ = cw.flush().await;
+                                }
+                                (Cut::InBody, _) => continue,
                             }
+                            cut.fetch_add(1, Ordering::SeqCst);
                             return;
                         }
                     }
@@ -309,7 +326,7 @@ struct Got {
 async fn a_lost_response_is_recovered_by_the_replay_with_one_execution() {
     let up = upstream().await;
     let gw = gateway(&up).await;
-    let proxy = cut_proxy(gw.addr, 1).await;
+    let proxy = cut_proxy(gw.addr, 1, Cut::BeforeAnswer).await;
     let c = client(policy());
 
     let got = send(&c, post(proxy.addr, "/orders", r#"{"sku":"A-1"}"#))
@@ -596,5 +613,40 @@ async fn a_quoted_key_and_the_bare_key_are_one_key_to_the_gateway() {
         .unwrap();
     assert!(again.replayed, "{again:?}");
     assert_eq!(again.body, first.body);
+    assert_eq!(up.counts.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_body_cut_after_the_head_is_the_callers_and_the_key_gets_the_replay() {
+    let up = upstream().await;
+    let gw = gateway(&up).await;
+    let proxy = cut_proxy(gw.addr, 1, Cut::InBody).await;
+    let c = client(policy());
+
+    // The head arrived (201), so the layer returns it; its body breaks.
+    let r = c
+        .clone()
+        .oneshot(post(proxy.addr, "/orders", r#"{"sku":"B-2"}"#))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert_eq!(r.extensions().get::<Attempts>(), Some(&Attempts(1)));
+    let key = r.extensions().get::<IdempotencyKey>().cloned().unwrap();
+    let body = r.into_body().collect().await;
+    assert!(body.is_err(), "the body was cut: {body:?}");
+    assert_eq!(proxy.cut.load(Ordering::SeqCst), 1);
+
+    // Sent again with the response's key: the stored answer, whole.
+    let got = send(
+        &c,
+        with_key(
+            post(proxy.addr, "/orders", r#"{"sku":"B-2"}"#),
+            key.as_str(),
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(got.replayed, "{got:?}");
+    assert_eq!(got.body, r#"{"execution":1}"#);
     assert_eq!(up.counts.hits(), 1);
 }
