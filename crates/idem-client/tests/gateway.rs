@@ -363,14 +363,14 @@ async fn a_lost_response_is_recovered_by_the_replay_with_one_execution() {
 async fn a_first_attempt_slower_than_its_timeout_waits_out_the_409_and_gets_the_replay() {
     let up = upstream().await;
     let gw = gateway(&up).await;
-    // The first execution takes 700 ms; an attempt may take 250 ms.
+    // The first execution takes 900 ms; an attempt may take 250 ms.
     let c = client(
         policy()
             .with_attempt_timeout(Duration::from_millis(250))
             .with_max_attempts(4),
     );
     let start = Instant::now();
-    let got = send(&c, post(gw.addr, "/orders?ms=700&first_only=true", "{}"))
+    let got = send(&c, post(gw.addr, "/orders?ms=900&first_only=true", "{}"))
         .await
         .unwrap();
     let took = start.elapsed();
