@@ -14,9 +14,9 @@
 //!
 //! | outcome of an attempt | what happens |
 //! |---|---|
-//! | 2xx, 3xx, 400, 422, any 4xx but 409 and 429 | returned as it is (final) |
+//! | 2xx, 3xx, 400, 422, a 409 without `Retry-After`, any other 4xx but 429 | returned as it is (final) |
 //! | `Idempotent-Replayed: true` | returned, with [`Replayed`]`(true)`: treat it as success |
-//! | 409 (still in flight), 429 | retried after `Retry-After` (bounded), else the backoff |
+//! | 409 with `Retry-After` (still in flight), 429 | retried after `Retry-After` (bounded), else the backoff |
 //! | 5xx except 501, 505 (502, 503, 504 included) | retried after the backoff (or `Retry-After`) |
 //! | connection error, closed before the answer | retried after the backoff |
 //! | no response headers within the attempt timeout | dropped, retried after the backoff |
@@ -119,7 +119,7 @@ pub use error::{BoxError, Error, Failure};
 pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use layer::IdempotentLayer;
 pub use policy::{
-    is_retryable, RetryPolicy, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_BASE_DELAY, DEFAULT_DEADLINE,
+    is_retryable, is_retryable_response, RetryPolicy, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_BASE_DELAY, DEFAULT_DEADLINE,
     DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DELAY, DEFAULT_MAX_RETRY_AFTER,
 };
 pub use service::{Attempts, IdempotentService, Replayed, ResponseFuture};

@@ -190,6 +190,9 @@ pub(crate) fn jitter(bound: Duration, rng: &mut impl Rng) -> Duration {
 /// Version Not Supported, which a retry cannot change. Everything else is
 /// final: 2xx and 3xx, 400 (a malformed key or request), 422 (the key was
 /// used for another request), and every other 4xx.
+///
+/// The service retries a 409 only when it says to come back: see
+/// [`is_retryable_response`].
 pub fn is_retryable(status: StatusCode) -> bool {
     match status.as_u16() {
         409 | 429 => true,
@@ -198,8 +201,21 @@ pub fn is_retryable(status: StatusCode) -> bool {
     }
 }
 
-pub(crate) fn verdict(status: StatusCode) -> Verdict {
-    if is_retryable(status) {
+/// [`is_retryable`] for a whole response head: a 409 is retried only when
+/// it carries `Retry-After` (what an idempotency layer sends for a key
+/// still in flight: idem's `urn:idem:problem:in-flight`, Stripe's
+/// concurrent-request error) — a 409 without it is the service's own
+/// business conflict (a duplicate username, a version clash), final like
+/// any other 4xx, never resent.
+pub fn is_retryable_response(status: StatusCode, headers: &http::HeaderMap) -> bool {
+    if status == StatusCode::CONFLICT {
+        return headers.contains_key(http::header::RETRY_AFTER);
+    }
+    is_retryable(status)
+}
+
+pub(crate) fn verdict(status: StatusCode, headers: &http::HeaderMap) -> Verdict {
+    if is_retryable_response(status, headers) {
         Verdict::Retry
     } else {
         Verdict::Final
@@ -221,6 +237,16 @@ mod tests {
         assert_eq!(bounds, [100, 200, 400, 800, 1000, 1000]);
         assert_eq!(p.backoff_bound(0), Duration::from_millis(100));
         assert_eq!(p.backoff_bound(u32::MAX), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_409_is_retried_only_with_retry_after() {
+        let mut h = http::HeaderMap::new();
+        assert!(!is_retryable_response(StatusCode::CONFLICT, &h));
+        h.insert(http::header::RETRY_AFTER, http::HeaderValue::from_static("1"));
+        assert!(is_retryable_response(StatusCode::CONFLICT, &h));
+        assert!(is_retryable_response(StatusCode::SERVICE_UNAVAILABLE, &http::HeaderMap::new()));
+        assert!(!is_retryable_response(StatusCode::UNPROCESSABLE_ENTITY, &h));
     }
 
     #[test]

@@ -52,7 +52,7 @@ pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, Error>> + Sen
 /// 3. sends it, and again with **the same key** after a retryable outcome —
 ///    a transport error (connection refused, reset, closed before the
 ///    answer), no response headers within the attempt timeout, or a
-///    status [`crate::is_retryable`] accepts (409, 429, 5xx) — waiting
+///    status [`crate::is_retryable_response`] accepts (409 with `Retry-After`, 429, 5xx) — waiting
 ///    the server's `Retry-After` (RFC 9110 §10.2.3, bounded by the policy's
 ///    `max_retry_after`) or else a jittered exponential backoff, within
 ///    the policy's attempts and deadline;
@@ -185,7 +185,7 @@ where
             Err(_elapsed) => Failure::Timeout(limit),
             Ok(Err(e)) => Failure::Transport(e),
             Ok(Ok(mut response)) => {
-                if !keyed || verdict(response.status()) == Verdict::Final {
+                if !keyed || verdict(response.status(), response.headers()) == Verdict::Final {
                     let replayed = keyed && is_replayed(response.headers());
                     let ext = response.extensions_mut();
                     ext.insert(Replayed(replayed));
