@@ -832,6 +832,20 @@ async fn usage_errors_exit_2_with_a_reason() {
         );
         assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
     }
+    // Nothing listens on the URL: exit 2 before any check is judged (a
+    // down service is not "not idempotent").
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = free.local_addr().unwrap().port();
+    drop(free);
+    let run = check(&[
+        &format!("http://127.0.0.1:{port}/orders"),
+        "--id-pointer",
+        "/id",
+    ])
+    .await;
+    assert_eq!(run.code, 2, "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stderr.contains("cannot connect to"), "{}", run.stderr);
+    assert!(!run.stdout.contains("FAIL"), "{}", run.stdout);
     // clap's own usage errors are exit 2 too.
     let run = check(&[
         "http://127.0.0.1/o",

@@ -636,6 +636,10 @@ async fn held_keys_are_shown_and_settled_by_an_operator() {
     for k in [&k1, &k2] {
         let (s, body) = post(&c, &pay, k, None).await;
         assert_eq!(s, 409, "{k} is not held past its lease: {body}");
+        assert!(
+            body.contains("urn:idem:problem:held") && body.contains("\"reason\":\"timeout\""),
+            "{body}"
+        );
         assert_eq!(of_key(k), 1);
     }
     let st = ["--store", store.as_str()];

@@ -119,7 +119,7 @@ pub use error::{BoxError, Error, Failure};
 pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use layer::IdempotentLayer;
 pub use policy::{
-    is_retryable, is_retryable_response, RetryPolicy, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_BASE_DELAY, DEFAULT_DEADLINE,
-    DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DELAY, DEFAULT_MAX_RETRY_AFTER,
+    is_retryable, is_retryable_response, RetryPolicy, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_BASE_DELAY,
+    DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DELAY, DEFAULT_MAX_RETRY_AFTER,
 };
 pub use service::{Attempts, IdempotentService, Replayed, ResponseFuture};

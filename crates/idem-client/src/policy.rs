@@ -243,9 +243,15 @@ mod tests {
     fn a_409_is_retried_only_with_retry_after() {
         let mut h = http::HeaderMap::new();
         assert!(!is_retryable_response(StatusCode::CONFLICT, &h));
-        h.insert(http::header::RETRY_AFTER, http::HeaderValue::from_static("1"));
+        h.insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_static("1"),
+        );
         assert!(is_retryable_response(StatusCode::CONFLICT, &h));
-        assert!(is_retryable_response(StatusCode::SERVICE_UNAVAILABLE, &http::HeaderMap::new()));
+        assert!(is_retryable_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &http::HeaderMap::new()
+        ));
         assert!(!is_retryable_response(StatusCode::UNPROCESSABLE_ENTITY, &h));
     }
 

@@ -164,6 +164,10 @@ async fn gateway_on(up: &Upstream, listen: SocketAddr) -> TestGateway {
     c.layer.lease = Duration::from_secs(5);
     // The lease must be longer than the store timeout (5 s by default).
     c.store_options.timeout = Duration::from_secs(2);
+    // These tests retry a released 5xx at once and time it; with the
+    // default `--share-failure` window (1 s) each such retry first waits
+    // the window out in the gateway (it did not wait for the failed run).
+    c.layer.share_failure = Duration::ZERO;
     let gw = Gateway::bind_with_store(c, Arc::new(idem_core::MemoryStore::new()))
         .await
         .unwrap();

@@ -131,6 +131,15 @@ pub const DEFAULT_SAVE_RETRY: Duration = Duration::from_secs(600);
 /// retry right after the failure waits at most this long and then runs.
 pub const DEFAULT_SHARE_FAILURE: Duration = Duration::from_secs(1);
 
+/// The longest [`EngineConfig::share_failure`]: 1 min. A shared failure
+/// is kept for the duplicates that waited for it, who wake within
+/// milliseconds; a longer window only delays later retries (each waits it
+/// out), and one longer than a retry's bounded wait would answer retries
+/// the failure instead of running them. [`EngineConfig::validate`]
+/// refuses more; [`EngineConfig::clamped`] and [`Engine::with_config`]
+/// lower it to this.
+pub const MAX_SHARE_FAILURE: Duration = Duration::from_secs(60);
+
 /// The shortest lease the engine runs with: 1 s.
 ///
 /// A lease is measured on the store's clock from the moment the claim is
@@ -153,6 +162,14 @@ pub enum EngineConfigError {
         lease: Duration,
         /// [`MIN_LEASE`].
         min: Duration,
+    },
+    /// [`EngineConfig::share_failure`] is above [`MAX_SHARE_FAILURE`] (1 min).
+    #[error("share_failure ({share_failure:?}) is above the maximum of {max:?}: later retries would be answered the shared failure instead of running")]
+    ShareFailureTooLong {
+        /// The window given.
+        share_failure: Duration,
+        /// [`MAX_SHARE_FAILURE`].
+        max: Duration,
     },
     /// The result TTL is shorter than the lease.
     #[error("the ttl ({ttl:?}) is shorter than the lease ({lease:?}): a result would be forgotten while its key could still be in flight")]
@@ -178,8 +195,15 @@ impl EngineConfig {
     /// ```
     ///
     /// # Errors
-    /// [`EngineConfigError::LeaseTooShort`], [`EngineConfigError::TtlShorterThanLease`].
+    /// [`EngineConfigError::LeaseTooShort`], [`EngineConfigError::TtlShorterThanLease`],
+    /// [`EngineConfigError::ShareFailureTooLong`].
     pub fn validate(&self) -> Result<(), EngineConfigError> {
+        if self.share_failure > MAX_SHARE_FAILURE {
+            return Err(EngineConfigError::ShareFailureTooLong {
+                share_failure: self.share_failure,
+                max: MAX_SHARE_FAILURE,
+            });
+        }
         if self.lease < MIN_LEASE {
             return Err(EngineConfigError::LeaseTooShort {
                 lease: self.lease,
@@ -196,9 +220,11 @@ impl EngineConfig {
     }
 
     /// These settings with the lease raised to [`MIN_LEASE`] when it was
-    /// below (the TTL is left as given).
+    /// below and `share_failure` lowered to [`MAX_SHARE_FAILURE`] when it
+    /// was above (the TTL is left as given).
     pub fn clamped(mut self) -> Self {
         self.lease = self.lease.max(MIN_LEASE);
+        self.share_failure = self.share_failure.min(MAX_SHARE_FAILURE);
         self
     }
 }
@@ -312,7 +338,7 @@ impl<S: Store + Clone> Engine<S> {
             static WARNED: std::sync::atomic::AtomicBool =
                 std::sync::atomic::AtomicBool::new(false);
             if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                tracing::warn!(error = %e, "engine settings outside the checked range; a lease below 1 s is raised to 1 s");
+                tracing::warn!(error = %e, "engine settings outside the checked range; a lease below 1 s is raised to 1 s, a share_failure above 1 min lowered to 1 min");
             }
         }
         Self {
@@ -977,6 +1003,29 @@ mod tests {
     use std::sync::Arc;
 
     #[test]
+    fn a_share_failure_over_the_maximum_is_refused_or_lowered() {
+        let c = EngineConfig {
+            share_failure: MAX_SHARE_FAILURE + Duration::from_millis(1),
+            ..EngineConfig::default()
+        };
+        assert!(matches!(
+            c.validate(),
+            Err(EngineConfigError::ShareFailureTooLong { .. })
+        ));
+        assert_eq!(
+            Engine::with_config(MemoryStore::new(), c)
+                .config()
+                .share_failure,
+            MAX_SHARE_FAILURE
+        );
+        let max = EngineConfig {
+            share_failure: MAX_SHARE_FAILURE,
+            ..EngineConfig::default()
+        };
+        assert!(max.validate().is_ok());
+    }
+
+    #[test]
     fn the_floor_is_checked_and_the_infallible_path_raises_to_it() {
         for lease in [
             Duration::ZERO,
@@ -1291,17 +1340,20 @@ mod tests {
             fn extreme_engine_settings_never_panic(
                 lease in extreme(), ttl in extreme(), wait in extreme(),
                 save_wait in extreme(), save_retry in extreme(), watchdog in any::<bool>(),
+                share_failure in extreme(), hold_for in extreme(),
             ) {
                 let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
                 rt.block_on(async {
-                    let config = EngineConfig { lease, ttl, wait, watchdog, save_wait, save_retry, ..EngineConfig::default() };
+                    let config = EngineConfig { lease, ttl, wait, watchdog, save_wait, save_retry, share_failure, hold_for, ..EngineConfig::default() };
                     match Engine::try_with_config(MemoryStore::new(), config.clone()) {
                         Ok(e) => prop_assert!(e.config().lease >= MIN_LEASE),
+                        Err(EngineConfigError::ShareFailureTooLong { .. }) => prop_assert!(share_failure > MAX_SHARE_FAILURE),
                         Err(EngineConfigError::LeaseTooShort { .. }) => prop_assert!(lease < MIN_LEASE),
                         Err(EngineConfigError::TtlShorterThanLease { .. }) => prop_assert!(ttl < lease),
                     }
                     let engine = Engine::with_config(MemoryStore::new(), config);
                     prop_assert!(engine.config().lease >= MIN_LEASE);
+                    prop_assert!(engine.config().share_failure <= MAX_SHARE_FAILURE);
                     let key = IdempotencyKey::new("extreme").unwrap();
                     let scope = Scope::anonymous();
                     let run = || engine.execute(&scope, &key, Fingerprint::of(b"x"), |_| async {

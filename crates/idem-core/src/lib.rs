@@ -37,7 +37,8 @@ pub use clock::{duration_ms, Clock, ManualClock, Millis, SharedClock, SystemCloc
 pub use engine::{
     Action, Engine, EngineConfig, EngineConfigError, Once, OnceError, Outcome, Saved,
     DEFAULT_HOLD_FOR, DEFAULT_LEASE, DEFAULT_ON_CANCEL, DEFAULT_SAVE_RETRY, DEFAULT_SAVE_WAIT,
-    DEFAULT_SHARE_FAILURE, DEFAULT_TTL, DEFAULT_WAIT, DEFAULT_WATCHDOG, MIN_LEASE,
+    DEFAULT_SHARE_FAILURE, DEFAULT_TTL, DEFAULT_WAIT, DEFAULT_WATCHDOG, MAX_SHARE_FAILURE,
+    MIN_LEASE,
 };
 pub use error::{BoxError, KeyError, Phase, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};

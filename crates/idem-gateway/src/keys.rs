@@ -553,6 +553,7 @@ pub async fn purge(store: &dyn Store, timeout: Duration) -> Result<Purged, KeysE
 pub fn log_deleted(d: &Deleted, by: &str, via: &str) {
     let at = humantime::format_rfc3339_millis(SystemTime::now()).to_string();
     let (state, fence) = match &d.record {
+        Some(r) if r.held.is_some() => ("held", r.fence),
         Some(r) => (r.state.as_str(), r.fence),
         None => ("expired", None),
     };

@@ -509,6 +509,7 @@ impl Run {
             running: _running,
         } = self;
         let (scope, key) = (&log.scope, &log.key);
+        let store = engine.store().clone();
         let policy = &options.policy;
         let retention_limit = options.retention_limit;
         let share_failure = engine.config().share_failure;
@@ -605,6 +606,11 @@ impl Run {
                 Ok(log.finish(RequestOutcome::Replayed, replay_response(&stored), None))
             }
             Ok(Outcome::InFlight { retry_after }) => {
+                if !token {
+                    if let Some(resp) = held_answer(&store, scope, key).await {
+                        return Ok(log.finish(RequestOutcome::InFlight, resp, None));
+                    }
+                }
                 let secs = retry_after_secs(retry_after);
                 let resp = Problem::new(
                     StatusCode::CONFLICT,
@@ -1007,6 +1013,53 @@ fn too_large(max: usize) -> Problem {
 }
 
 /// Whole seconds left on a lease, rounded up, at least 1.
+/// Longest `Retry-After` of a held key's 409: 1 day.
+const MAX_HELD_RETRY_AFTER: u64 = 24 * 3600;
+
+/// 409 `held` for a key in flight whose record says it is held (its first
+/// request's outcome is unknown: [`idem_core::HoldReason`]), with the
+/// reason and a `Retry-After` of the time left on the hold (at most 1 day);
+/// `None` when the record is not held, or cannot be read within 1 s (the
+/// caller answers the plain 409 `in-flight`).
+async fn held_answer(
+    store: &DynStore,
+    scope: &idem_core::Scope,
+    key: &IdempotencyKey,
+) -> Option<Response<BoxBody>> {
+    let read = tokio::time::timeout(Duration::from_secs(1), store.get(scope, key)).await;
+    let Ok(Ok(Some(idem_core::Record {
+        state:
+            idem_core::RecordState::InProgress {
+                held: Some(reason),
+                lease_until,
+                ..
+            },
+        ..
+    }))) = read
+    else {
+        return None;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let secs = retry_after_secs(Duration::from_millis(lease_until.0.saturating_sub(now)))
+        .min(MAX_HELD_RETRY_AFTER);
+    Some(
+        Problem::new(
+            StatusCode::CONFLICT,
+            "held",
+            format!(
+                "The first request with this Idempotency-Key has an unknown outcome ({reason}): \
+                 it may have taken effect, so the key is held and the request is not run again \
+                 until an operator settles it or the hold ends. Retry after {secs} s."
+            ),
+        )
+        .with_member("reason", reason.as_str())
+        .with_header(header::RETRY_AFTER, HeaderValue::from(secs))
+        .into_response(),
+    )
+}
+
 fn retry_after_secs(left: Duration) -> u64 {
     (left.as_secs() + u64::from(left.subsec_nanos() > 0)).max(1)
 }

@@ -114,7 +114,7 @@ impl Count {
                 match distinct.len() {
                     0 => format!("no {what} seen"),
                     1 => format!("one {what}: {}", shown[0]),
-                    n => format!("{n} different {what}s: {}{more}", shown.join(", ")),
+                    n => format!("{n} different values of {what}: {}{more}", shown.join(", ")),
                 }
             }
             Count::Unknown => "executions not counted".to_owned(),

@@ -16,7 +16,8 @@
 //! - [`html`]: `--html FILE`, the report with a timeline of the
 //!   concurrency checks.
 //!
-//! Exit status: 0 no check failed, 1 a check failed, 2 a usage error.
+//! Exit status: 0 no check failed, 1 a check failed, 2 a usage error or a
+//! target that cannot be reached (nothing judged).
 
 mod body;
 mod checks;
@@ -59,7 +60,8 @@ pub(crate) const LONG_ABOUT: &str = "Probe an HTTP endpoint for idempotency faul
      --allow-host), --rate requests a second, at most --max-requests in all (the plan's upper \
      bound is checked before anything is sent), --dry-run prints the plan. Counts from \
      --count-url include any other traffic the endpoint gets meanwhile: probe a quiet instance.\n\n\
-     Exit status: 0 no check failed, 1 a check failed, 2 a usage error.";
+     Exit status: 0 no check failed, 1 a check failed, 2 a usage error or a target that cannot \
+     be reached (nothing judged).";
 
 /// `idem check URL …`.
 #[derive(Debug, Args)]
@@ -211,6 +213,28 @@ pub(crate) async fn run(args: CheckArgs) -> ExitCode {
         },
         None => None,
     };
+    // A target that cannot be reached is the setup's fault, not the API's:
+    // exit 2 before any check is judged (one TCP connect, no request).
+    let origin = &plan.url.origin;
+    let reach = tokio::time::timeout(
+        plan.timeout,
+        tokio::net::TcpStream::connect((origin.host.as_str(), origin.port)),
+    )
+    .await;
+    match reach {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            eprintln!("idem check: cannot connect to {origin}: {e}; is the service running there?");
+            return ExitCode::from(2);
+        }
+        Err(_) => {
+            eprintln!(
+                "idem check: no connection to {origin} within {:?}; is the service running there?",
+                plan.timeout
+            );
+            return ExitCode::from(2);
+        }
+    }
     let report = checks::Probe::new(plan).run().await;
     if let Some((path, mut file)) = html {
         if let Err(e) = file.write_all(html::page(&report).as_bytes()) {

@@ -872,6 +872,11 @@ impl GatewayConfig {
                 store_timeout: self.store_options.timeout,
             });
         }
+        if layer.share_failure > idem_core::MAX_SHARE_FAILURE {
+            return Err(ConfigError::ShareFailureTooLong {
+                share_failure: layer.share_failure,
+            });
+        }
         if self.upstream_timeout.is_zero() {
             return Err(ConfigError::Zero("--upstream-timeout"));
         }
@@ -995,6 +1000,14 @@ impl GatewayConfig {
                 show(self.store_options.timeout)
             ));
         }
+        if o.share_failure > idem_core::MAX_SHARE_FAILURE {
+            return Err(format!(
+                "share_failure ({}) is above {}: later retries would be answered the shared \
+                 failure instead of running",
+                show(o.share_failure),
+                show(idem_core::MAX_SHARE_FAILURE)
+            ));
+        }
         if o.ttl < o.lease {
             return Err(format!(
                 "ttl ({}) is shorter than the lease ({})",
@@ -1113,6 +1126,18 @@ pub enum ConfigError {
         lease: Duration,
         /// The store timeout given.
         store_timeout: Duration,
+    },
+    /// `--share-failure` above [`idem_core::MAX_SHARE_FAILURE`] (1 min).
+    #[error(
+        "--share-failure ({}) must be at most {}: a shared failure is for the duplicates \
+         that waited for it; a longer window would answer later retries the failure instead \
+         of running them",
+        humantime::format_duration(*share_failure),
+        humantime::format_duration(idem_core::MAX_SHARE_FAILURE)
+    )]
+    ShareFailureTooLong {
+        /// The window given.
+        share_failure: Duration,
     },
     /// `--max-live-tokens` above half the memory store's record cap: a
     /// flood of submit tokens could fill the store, and every guarded
@@ -1650,6 +1675,25 @@ mod tests {
         match &c.layer.scope {
             ScopeBy::Headers(names) => names.iter().map(ToString::to_string).collect(),
             other => panic!("not a header scope: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_share_failure_window_over_a_minute_is_refused() {
+        let g = |extra: &[&str]| {
+            let mut a = vec!["--upstream", "http://x:1", "--store", "memory://"];
+            a.extend_from_slice(extra);
+            parse(&a).unwrap().g.into_config()
+        };
+        for ok in ["0", "1ms", "1s", "1m"] {
+            assert!(g(&["--share-failure", ok]).is_ok(), "{ok}");
+        }
+        for bad in ["61s", "1h", "100000h"] {
+            let e = g(&["--share-failure", bad]).unwrap_err();
+            assert!(
+                matches!(e, ConfigError::ShareFailureTooLong { .. }),
+                "{bad}: {e}"
+            );
         }
     }
 
