@@ -1337,8 +1337,8 @@ statuses = { "504" = "hold" }
     assert_problem(
         &again,
         409,
-        Some("in-flight"),
-        "504 held: the key stays in flight",
+        Some("held"),
+        "504 held: the key stays in flight, held (timeout)",
     );
     assert_eq!(up.on("/payments"), 1, "held: the retry does not run");
 

@@ -113,8 +113,14 @@ pub const STATE_IN_FLIGHT: &str = "in-flight";
 pub const STATE_COMPLETED: &str = "completed";
 
 /// An instant of the store's clock as RFC 3339 UTC with milliseconds.
+///
+/// An instant past 9999-12-31T23:59:59.999Z (a record kept "for ever":
+/// a TTL of `Duration::MAX` saturates) is shown as that last instant;
+/// RFC 3339 has no later year.
 pub fn rfc3339(at: Millis) -> String {
-    let t = SystemTime::UNIX_EPOCH + Duration::from_millis(at.0);
+    /// 9999-12-31T23:59:59.999Z in ms since the Unix epoch.
+    const LAST: u64 = 253_402_300_799_999;
+    let t = SystemTime::UNIX_EPOCH + Duration::from_millis(at.0.min(LAST));
     humantime::format_rfc3339_millis(t).to_string()
 }
 
@@ -364,12 +370,14 @@ pub async fn delete(
 /// `{"status": 201, "headers": {"content-type": "application/json"},
 /// "body": "{\"id\":7}", "ttl": "24h", "force": false}`.
 ///
-/// - `status`: 100..=599.
-/// - `headers`: optional, name → value; names and values as HTTP allows
-///   (visible ASCII values). `idempotent-replayed` is added on replay.
-/// - `body`: optional text (default empty).
+/// - `status`: 200..=599 (a final status: a 1xx cannot be replayed).
+/// - `headers`: optional, name → value; names and values as HTTP allows.
+///   Not the framing and hop-by-hop fields (`content-length`,
+///   `transfer-encoding`, `connection`, `upgrade`, …) the replay writes
+///   itself, nor `idempotent-replayed`, which it adds.
+/// - `body`: optional text (default empty); none on 204 and 304.
 /// - `ttl`: optional duration (`90s`, `24h`), how long the answer is
-///   replayed; default 24 h ([`idem_core::DEFAULT_TTL`]).
+///   replayed: 1 s to 100 years; default 24 h ([`idem_core::DEFAULT_TTL`]).
 /// - `force`: complete a key that is in flight and not held (its request
 ///   may still be running; its own result then loses). Default `false`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -395,13 +403,21 @@ impl CompleteRequest {
     /// The stored response and TTL this request asks for.
     ///
     /// # Errors
-    /// [`KeysError::BadResponse`] for a status outside 100..=599, a header
-    /// name or value HTTP refuses, or a TTL that does not parse or is 0.
+    /// [`KeysError::BadResponse`] for a status outside 200..=599, a body
+    /// on 204 or 304, a header name or value HTTP refuses, a framing or
+    /// hop-by-hop field, or a TTL that does not parse or is outside 1 s to
+    /// 100 years.
     pub fn to_response(&self) -> Result<(idem_core::StoredResponse, Duration), KeysError> {
         let bad = |m: String| KeysError::BadResponse(m);
-        if !(100..=599).contains(&self.status) {
+        if !(200..=599).contains(&self.status) {
             return Err(bad(format!(
-                "status {} is not an HTTP status (100..=599)",
+                "status {} is not a final HTTP status (200..=599)",
+                self.status
+            )));
+        }
+        if matches!(self.status, 204 | 304) && !self.body.is_empty() {
+            return Err(bad(format!(
+                "a {} response has no body; leave the body out",
                 self.status
             )));
         }
@@ -409,6 +425,15 @@ impl CompleteRequest {
         for (name, value) in &self.headers {
             let n = HeaderName::from_bytes(name.as_bytes())
                 .map_err(|_| bad(format!("{name:?} is not a header name")))?;
+            let framing = crate::HOP_BY_HOP.contains(&n.as_str())
+                || n == http::header::CONTENT_LENGTH
+                || n == http::header::TRANSFER_ENCODING
+                || n == idem_http::IDEMPOTENT_REPLAYED;
+            if framing {
+                return Err(bad(format!(
+                    "{name:?} is written by the replay itself; leave it out"
+                )));
+            }
             HeaderValue::from_str(value)
                 .map_err(|_| bad(format!("the value of {name:?} is not a valid header value")))?;
             resp.headers
@@ -416,10 +441,14 @@ impl CompleteRequest {
         }
         let ttl = match &self.ttl {
             None => idem_core::DEFAULT_TTL,
-            Some(t) => humantime::parse_duration(t).map_err(|e| bad(format!("ttl {t:?}: {e}")))?,
+            Some(t) => crate::parse_duration(t).map_err(|e| bad(format!("ttl {t:?}: {e}")))?,
         };
-        if ttl.is_zero() {
-            return Err(bad("ttl 0 would forget the answer at once".to_owned()));
+        if ttl < Duration::from_secs(1) {
+            return Err(bad(format!(
+                "ttl {} would forget the answer (almost) at once, and the next retry would run \
+                 the request again; give at least 1s",
+                humantime::format_duration(ttl)
+            )));
         }
         Ok((resp, ttl))
     }
@@ -746,6 +775,25 @@ mod tests {
     }
 
     #[test]
+    fn instants_past_year_9999_are_shown_as_its_last_one() {
+        assert_eq!(rfc3339(Millis(u64::MAX)), "9999-12-31T23:59:59.999Z");
+        assert_eq!(rfc3339(Millis(0)), "1970-01-01T00:00:00.000Z");
+        let scope = Scope::anonymous();
+        let key = IdempotencyKey::new("forever").unwrap();
+        let rec = Record {
+            fingerprint: Fingerprint::of(b"x"),
+            state: RecordState::Completed {
+                response: StoredResponse::new(200, ""),
+                expires_at: Millis(u64::MAX),
+            },
+        };
+        assert_eq!(
+            KeyRecord::new(&scope, &key, &rec).expires_at.as_deref(),
+            Some("9999-12-31T23:59:59.999Z")
+        );
+    }
+
+    #[test]
     fn completions_are_checked() {
         let ok = CompleteRequest {
             status: 201,
@@ -761,6 +809,38 @@ mod tests {
             vec![("content-type".to_owned(), b"application/json".to_vec())]
         );
         for bad in [
+            CompleteRequest {
+                ttl: Some("1ms".into()),
+                ..ok.clone()
+            },
+            CompleteRequest {
+                ttl: Some("500000000y".into()),
+                ..ok.clone()
+            },
+            CompleteRequest {
+                status: 101,
+                ..ok.clone()
+            },
+            CompleteRequest {
+                status: 204,
+                ..ok.clone()
+            },
+            CompleteRequest {
+                headers: [("content-length".to_owned(), "9".to_owned())].into(),
+                ..ok.clone()
+            },
+            CompleteRequest {
+                headers: [("Transfer-Encoding".to_owned(), "chunked".to_owned())].into(),
+                ..ok.clone()
+            },
+            CompleteRequest {
+                headers: [("idempotent-replayed".to_owned(), "false".to_owned())].into(),
+                ..ok.clone()
+            },
+            CompleteRequest {
+                headers: [("connection".to_owned(), "close".to_owned())].into(),
+                ..ok.clone()
+            },
             CompleteRequest {
                 status: 600,
                 ..ok.clone()

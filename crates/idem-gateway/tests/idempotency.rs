@@ -102,8 +102,9 @@ async fn assert_failed_and_held(
     assert_eq!(a.status, 502, "{}", a.text());
     assert_eq!(a.problem_type(), "urn:idem:problem:upstream-failed");
     assert_eq!(raw.hits(), 1);
-    // The request was sent: its effect is unknown, so no second run inside the lease.
-    assert_in_flight(&post(c, &gw.url("/pay"), Some(k), "{}").await);
+    // The request was sent: its effect is unknown, so the key is held and
+    // nothing runs again inside the lease.
+    assert_held(&post(c, &gw.url("/pay"), Some(k), "{}").await);
     assert_eq!(raw.hits(), 1);
     a
 }
@@ -117,6 +118,20 @@ async fn breaking_rig(answer: &[u8]) -> (RawUpstream, TestGateway) {
         c.store_options.timeout = Duration::from_secs(2);
     })
     .await
+}
+
+/// 409 `held`: the first request's outcome is unknown (a `reason` member,
+/// `Retry-After` whole seconds).
+fn assert_held(r: &Got) {
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert_eq!(r.problem_type(), "urn:idem:problem:held", "{}", r.text());
+    assert!(r.json()["reason"].is_string(), "{}", r.text());
+    let secs: u64 = r
+        .header("retry-after")
+        .expect("409 carries Retry-After")
+        .parse()
+        .expect("Retry-After is whole seconds");
+    assert!(secs >= 1, "Retry-After {secs}");
 }
 
 fn assert_in_flight(r: &Got) {
@@ -715,7 +730,8 @@ async fn upstream_timeout_is_504_and_holds_the_key_until_its_lease_ends() {
     assert_within(t0, Duration::from_secs(2), "the upstream timeout");
     // The first call may still land: no second execution inside the lease.
     let b = post(&c, &url, Some(&k), "{}").await;
-    assert_in_flight(&b);
+    assert_held(&b);
+    assert_eq!(b.json()["reason"], "timeout");
     assert_eq!(up.hits(), 1);
     tokio::time::sleep(Duration::from_millis(1300)).await;
     let d = post(&c, &url, Some(&k), "{}").await;

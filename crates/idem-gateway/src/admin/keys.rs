@@ -128,10 +128,16 @@ async fn complete(
         .await
     {
         Ok(b) => b.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                format!("a completion is at most {MAX_COMPLETE_BODY} bytes"),
+            )
+            .into_response()
+        }
         Err(e) => {
-            return invalid(format!(
-                "the body could not be read (at most {MAX_COMPLETE_BODY} bytes): {e}"
-            ))
+            return invalid(format!("the body could not be read: {e}"));
         }
     };
     let asked: keys::CompleteRequest = match serde_json::from_slice(&body) {
