@@ -44,7 +44,12 @@ async fn a_stalled_response_body_fails_after_the_upstream_timeout() {
 
     let dup = post(&c, &gw.url("/orders"), Some(&k), r#"{"amount":1}"#).await;
     assert_eq!(dup.status, 409, "{}", dup.text());
-    assert_eq!(dup.problem_type(), "urn:idem:problem:held", "{}", dup.text());
+    assert_eq!(
+        dup.problem_type(),
+        "urn:idem:problem:held",
+        "{}",
+        dup.text()
+    );
     assert_eq!(raw.hits(), 1, "the key is held: no second execution");
 }
 
