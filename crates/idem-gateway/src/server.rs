@@ -428,12 +428,24 @@ fn log_connection_cap(config: &GatewayConfig, cap: &ConnectionCap) {
         "connection limits"
     );
     if cap.limited_by_nofile(config.max_connections) {
-        tracing::warn!(
-            max_connections = config.max_connections,
-            effective = cap.connections,
-            nofile = cap.nofile.unwrap_or(0),
-            "the file-descriptor limit (ulimit -n) lowers --max-connections; raise it to serve more connections"
-        );
+        // A cut of a few connections (the descriptors the gateway keeps for
+        // itself) is no fault worth a warning at every start; a real one is.
+        let severe = cap.connections < config.max_connections / 10 * 9;
+        if severe {
+            tracing::warn!(
+                max_connections = config.max_connections,
+                effective = cap.connections,
+                nofile = cap.nofile.unwrap_or(0),
+                "the file-descriptor limit (ulimit -n) lowers --max-connections; raise it to serve more connections"
+            );
+        } else {
+            tracing::info!(
+                max_connections = config.max_connections,
+                effective = cap.connections,
+                nofile = cap.nofile.unwrap_or(0),
+                "the file-descriptor limit (ulimit -n) lowers --max-connections slightly"
+            );
+        }
     }
 }
 

@@ -460,17 +460,7 @@ impl Store for RedisStore {
                 &[fence.as_bytes(), lease_ms.as_bytes(), keep.as_bytes()],
             )
             .await?;
-        match int(&reply) {
-            Some(-1) => Err(StoreError::LeaseLost { fence: lease.fence }),
-            Some(until) if until >= 0 => Ok(Lease {
-                until: Millis(until.unsigned_abs()),
-                ..lease.clone()
-            }),
-            _ => Err(StoreError::corrupt(
-                P,
-                format!("unexpected answer from extend.lua: {reply:?}"),
-            )),
-        }
+        lease_end_or_lost(&reply, lease, P)
     }
 
     /// `hold.lua`: writes the reason into the record's `response` field and
@@ -500,17 +490,7 @@ impl Store for RedisStore {
                 ],
             )
             .await?;
-        match int(&reply) {
-            Some(-1) => Err(StoreError::LeaseLost { fence: lease.fence }),
-            Some(until) if until >= 0 => Ok(Lease {
-                until: Millis(until.unsigned_abs()),
-                ..lease.clone()
-            }),
-            _ => Err(StoreError::corrupt(
-                P,
-                format!("unexpected answer from hold.lua: {reply:?}"),
-            )),
-        }
+        lease_end_or_lost(&reply, lease, P)
     }
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
@@ -1043,6 +1023,22 @@ fn lossy(v: Option<&Value>) -> String {
     v.and_then(text)
         .map(|b| String::from_utf8_lossy(b).into_owned())
         .unwrap_or_else(|| format!("{v:?}"))
+}
+
+/// The answer of `extend.lua` and `hold.lua`: the new lease end (ms since
+/// the epoch), or -1 when the fence is not current.
+fn lease_end_or_lost(reply: &Value, lease: &Lease, phase: Phase) -> Result<Lease, StoreError> {
+    match int(reply) {
+        Some(-1) => Err(StoreError::LeaseLost { fence: lease.fence }),
+        Some(until) if until >= 0 => Ok(Lease {
+            until: Millis(until.unsigned_abs()),
+            ..lease.clone()
+        }),
+        _ => Err(StoreError::corrupt(
+            phase,
+            format!("unexpected answer from the {phase} script: {reply:?}"),
+        )),
+    }
 }
 
 fn done_or_lost(reply: &Value, fence: u64, phase: Phase) -> Result<(), StoreError> {
