@@ -10,21 +10,14 @@ use super::client::{Answer, Client, Exchange, Outcome, Req, Url};
 use super::plan::{invalid_keys, CheckId, Plan, Witness, MAX_POLLS, SETTLE_READS};
 use super::report::{CheckResult, Report, Verdict};
 
-/// Response fields a replay may leave out or change: `Date`, the
-/// hop-by-hop fields (RFC 9110, section 7.6.1), `Content-Length` (the body
-/// is compared itself) and `Idempotent-Replayed`.
-const IGNORED: [&str; 10] = [
-    "date",
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "content-length",
-    "idempotent-replayed",
-];
+/// Whether a replay may leave out or change response field `name`: `Date`,
+/// the hop-by-hop fields ([`idem_gateway::HOP_BY_HOP`], RFC 9110,
+/// section 7.6.1), `Content-Length` (the body is compared itself) and
+/// `Idempotent-Replayed`.
+fn ignored(name: &str) -> bool {
+    idem_gateway::HOP_BY_HOP.contains(&name)
+        || matches!(name, "date" | "content-length" | "idempotent-replayed")
+}
 
 /// The most Retry-After (in seconds) a 409 may name and still be sane.
 const MAX_RETRY_AFTER: u64 = 3600;
@@ -1084,7 +1077,7 @@ fn sane_retry_after(a: &Answer) -> Result<u64, String> {
 }
 
 /// Each way `retry` differs from `first`: status, each header that
-/// matters (not [`IGNORED`], not named in `Connection`, not in `ignore`),
+/// matters (not [`ignored`], not named in `Connection`, not in `ignore`),
 /// body bytes.
 fn differences(first: &Answer, retry: &Answer, ignore: &[HeaderName]) -> Vec<String> {
     let mut out = Vec::new();
@@ -1112,7 +1105,7 @@ fn differences(first: &Answer, retry: &Answer, ignore: &[HeaderName]) -> Vec<Str
         }
     }
     for name in names {
-        if IGNORED.contains(&name.as_str()) || ignore.contains(name) || connection_listed(name) {
+        if ignored(name.as_str()) || ignore.contains(name) || connection_listed(name) {
             continue;
         }
         let values = |a: &Answer| -> Vec<String> {
