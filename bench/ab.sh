@@ -43,14 +43,14 @@ CONF
 bench_bg ab-nginx nginx -p "$RUN_DIR/nginx" -c "$RUN_DIR/nginx/nginx.conf" -g 'daemon off;'
 wait_port "$ng"
 
-run_wrk() { # run_wrk URL MODE NONCE -> req/s p99_us
+run_wrk() { # run_wrk URL MODE NONCE -> req/s p99_us non-2xx p50_us
   local script=$harness/wrk/post.lua
   [[ $2 = nokey ]] && script=$root/bench/wrk/nokey.lua
   wrk -t1 -c"$CONNS" -d"$DURATION"s --timeout 10s -s "$script" "$1" -- "$2" "$3" 100 |
     python3 -c 'import sys,json
 for l in sys.stdin:
     if l.startswith("WRK_JSON"):
-        j=json.loads(l[9:]); print("%.0f %d %d" % (j["requests"]/j["duration_us"]*1e6, j["lat_p99_us"], j["err_status"]))'
+        j=json.loads(l[9:]); print("%.0f %d %d %d" % (j["requests"]/j["duration_us"]*1e6, j["lat_p99_us"], j["err_status"], j["lat_p50_us"]))'
 }
 
 start_gw() { # start_gw SPEC
@@ -59,7 +59,7 @@ start_gw() { # start_gw SPEC
   for kv in "${kvs[@]}"; do [[ -n $kv ]] && envs+=("$kv"); done
   local bin=$IDEM_BIN store=$STORE threads=${IDEM_RUNTIME_THREADS:-1}
   for kv in "${envs[@]}"; do case $kv in IDEM_BIN=*) bin=${kv#*=};; STORE=*) store=${kv#*=};; esac; done
-  RUST_LOG=warn IDEM_RUNTIME_THREADS=$threads bench_bg "ab-$name" env "${envs[@]}" "$bin" gateway \
+  RUST_LOG=warn IDEM_RUNTIME_THREADS=$threads IDEM_ADMIN_LISTEN=${IDEM_ADMIN_LISTEN:-127.0.0.1:$((gw + 1))} bench_bg "ab-$name" env "${envs[@]}" "$bin" gateway \
     --listen 127.0.0.1:$gw --upstream http://127.0.0.1:$up --store "$store"
   wait_port "$gw"
   sleep 0.3
@@ -84,12 +84,13 @@ rows = {}
 for line in open(sys.argv[1]):
     p = line.split()
     if len(p) < 5: continue
-    rows.setdefault(p[0], []).append((int(p[1]), float(p[2]), int(p[3]), int(p[4]), int(p[5]) if len(p) > 5 else 0))
+    rows.setdefault(p[0], []).append((int(p[1]), float(p[2]), int(p[3]), int(p[4]), int(p[6]) if len(p) > 6 else 0, int(p[5])))
 ng = {r[0]: r[1] for r in rows.get("nginx", [])}
-print("\n| variant | req/s median | × nginx (per round, median) | p99 median | non-2xx | RSS KiB |")
-print("|---|---:|---:|---:|---:|---:|")
+print("\n| variant | req/s median | × nginx (per round, median) | p50 median | p99 median | non-2xx | RSS KiB |")
+print("|---|---:|---:|---:|---:|---:|---:|")
 for name, rs in rows.items():
     ratios = [r[1] / ng[r[0]] for r in rs if r[0] in ng and ng[r[0]]]
-    print("| %s | %.0f | %.2f | %.2f ms | %d | %s |" % (name, st.median(r[1] for r in rs), st.median(ratios) if ratios else 0,
-          st.median(r[2] for r in rs) / 1000, sum(r[3] for r in rs), max(r[4] for r in rs) if name != "nginx" else ""))
+    print("| %s | %.0f | %.2f | %.3f ms | %.2f ms | %d | %s |" % (name, st.median(r[1] for r in rs), st.median(ratios) if ratios else 0,
+          st.median(r[5] for r in rs) / 1000, st.median(r[2] for r in rs) / 1000, sum(r[3] for r in rs),
+          max(r[4] for r in rs) if name != "nginx" else ""))
 PY

@@ -1,5 +1,5 @@
 //! The SQLite store: one file, WAL, `synchronous = FULL`; reads from a
-//! pool of readers, write steps group-committed by one writer task
+//! pool of readers, write steps group-committed by one writer thread
 //! ([`writer`]) in `BEGIN IMMEDIATE` transactions.
 
 mod writer;
@@ -8,7 +8,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use writer::{Done, Op, Writer};
+use writer::{Done, Op, Target, Writer};
 
 use async_trait::async_trait;
 use idem_core::admin::{ListPage, ListQuery};
@@ -46,8 +46,8 @@ pub struct SqliteOptions {
     /// (reported as [`StoreError::Unavailable`]). Default 5 s.
     pub busy_timeout: Duration,
     /// Most reading connections in the pool (default 4, at least 1); the
-    /// writer has one more of its own. An in-memory database always uses
-    /// exactly one, for both.
+    /// writer has one more of its own. An in-memory database has one
+    /// reading connection.
     pub max_connections: u32,
     /// Most write steps committed in one transaction by group commit
     /// (default 128, at least 1; 1 commits every step on its own, as one
@@ -108,7 +108,7 @@ impl SqliteOptions {
 ///   key is an in-progress row whose `response` column holds the hold
 ///   reason's name (`NULL` while the claim runs; the migration's columns
 ///   are unchanged).
-/// - **Group commit.** Every write step goes to one writer task of this
+/// - **Group commit.** Every write step goes to one writer thread of this
 ///   store, which commits the steps queued by concurrent callers together,
 ///   up to [`SqliteOptions::max_batch`] (default 128) per `BEGIN IMMEDIATE
 ///   … COMMIT`: one fsync for the batch, each caller answered with its own
@@ -157,9 +157,6 @@ impl SqliteOptions {
 pub struct SqliteStore {
     /// The readers.
     pool: SqlitePool,
-    /// The writer's own pool of one connection (the readers' pool for an
-    /// in-memory database or [`Self::from_pool`]).
-    writes: SqlitePool,
     clock: SharedClock,
     /// This process's one writer: write steps queue here (and are
     /// committed in groups) instead of in SQLite's busy handler, which
@@ -201,79 +198,95 @@ impl SqliteStore {
                 }
             }
         }
+        let connect = if in_memory {
+            // A private database in SQLite's `memdb` VFS: named, so the
+            // writer's own connection reaches the same database; kept alive
+            // by the readers' one connection. No WAL in memory: the journal
+            // is kept in memory too.
+            SqliteConnectOptions::new()
+                .filename(format!("/idem-memory-{:016x}", rand::random::<u64>()))
+                .vfs("memdb")
+                .journal_mode(SqliteJournalMode::Memory)
+        } else {
+            connect.journal_mode(SqliteJournalMode::Wal)
+        };
         let connect = connect
             .create_if_missing(true)
-            .journal_mode(if in_memory {
-                SqliteJournalMode::Memory
-            } else {
-                SqliteJournalMode::Wal
-            })
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(options.busy_timeout);
-        let pool = SqlitePoolOptions::new().acquire_timeout(options.acquire_timeout);
-        let (readers, writes) = if in_memory {
-            // The database lives as long as its one connection, which the
-            // readers and the writer share.
-            let one = pool
-                .max_connections(1)
+        // A connection to a local file does not go stale: no ping before
+        // each use (sqlx's default), which would double the driver round
+        // trips of every read.
+        let pool = SqlitePoolOptions::new()
+            .acquire_timeout(options.acquire_timeout)
+            .test_before_acquire(false);
+        let pool = if in_memory {
+            pool.max_connections(1)
                 .min_connections(1)
                 .idle_timeout(None)
                 .max_lifetime(None)
-                .connect_with(connect)
-                .await
-                .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
-            (one.clone(), one)
         } else {
-            let readers = pool
-                .clone()
-                .max_connections(options.max_connections.max(1))
-                .connect_with(connect.clone())
-                .await
-                .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
-            let writes = pool.max_connections(1).connect_lazy_with(connect);
-            (readers, writes)
+            pool.max_connections(options.max_connections.max(1))
         };
+        let target = Target {
+            path: connect.get_filename().to_path_buf(),
+            vfs: in_memory.then_some("memdb"),
+            busy_timeout: options.busy_timeout,
+        };
+        let readers = pool
+            .connect_with(connect)
+            .await
+            .map_err(|e| StoreError::unavailable(Phase::Connect, e))?;
         migrate(&readers).await?;
-        Ok(Self::new(
+        Self::new(
             readers,
-            writes,
+            target,
             options.max_batch,
             options.poll_interval.max(Duration::from_millis(1)),
-        ))
+        )
     }
 
     fn new(
         pool: SqlitePool,
-        writes: SqlitePool,
+        target: Target,
         max_batch: usize,
         poll_interval: Duration,
-    ) -> Self {
-        Self {
-            writer: Writer::start(writes.clone(), max_batch),
+    ) -> Result<Self, StoreError> {
+        Ok(Self {
+            writer: Writer::start(target, max_batch)?,
             pool,
-            writes,
             clock: Arc::new(SystemClock),
             poll_interval,
-        }
+        })
     }
 
-    /// Uses an existing pool and runs the migrations on it; the writer
-    /// takes its connections from that pool too. The pool's connect options
-    /// are the caller's: set WAL, `synchronous = FULL` and a busy timeout as
-    /// [`Self::open`] does. Must be called inside a Tokio runtime (it
-    /// starts the writer task there).
+    /// Uses an existing pool for reads and runs the migrations on it. The
+    /// pool's connect options are the caller's: set WAL, `synchronous =
+    /// FULL` and a busy timeout as [`Self::open`] does. The writer opens a
+    /// connection of its own to the pool's file, with `synchronous = FULL`
+    /// and the default busy timeout (5 s).
     ///
     /// # Errors
+    /// [`StoreError::Config`] when the pool's database is not a file (a
+    /// private in-memory database cannot be reached by the writer's
+    /// connection: use [`Self::open`]`("sqlite::memory:")`);
     /// [`StoreError::Unavailable`] (phase `Connect`) when the migrations fail.
     pub async fn from_pool(pool: SqlitePool) -> Result<Self, StoreError> {
+        let path = pool.connect_options().get_filename().to_path_buf();
+        let name = path.to_string_lossy();
+        if name.is_empty() || name == ":memory:" || name.starts_with("file:") {
+            return Err(StoreError::Config(format!(
+                "SqliteStore::from_pool needs a pool on a database file, not {name:?}"
+            )));
+        }
         migrate(&pool).await?;
         let defaults = SqliteOptions::default();
-        Ok(Self::new(
-            pool.clone(),
-            pool,
-            defaults.max_batch,
-            defaults.poll_interval,
-        ))
+        let target = Target {
+            path,
+            vfs: None,
+            busy_timeout: defaults.busy_timeout,
+        };
+        Self::new(pool, target, defaults.max_batch, defaults.poll_interval)
     }
 
     /// Uses `clock` for lease ends and expiry (a [`idem_core::ManualClock`]
@@ -288,11 +301,12 @@ impl SqliteStore {
         &self.pool
     }
 
-    /// Closes every connection (the readers' and the writer's); calls made
-    /// afterwards fail with [`StoreError::Unavailable`].
+    /// Closes every connection (the readers'; the writer's once the steps
+    /// already queued are answered); calls made afterwards fail with
+    /// [`StoreError::Unavailable`].
     pub async fn close(&self) {
+        self.writer.close();
         self.pool.close().await;
-        self.writes.close().await;
     }
 
     fn now(&self) -> i64 {
@@ -408,14 +422,19 @@ impl Store for SqliteStore {
     async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
         const P: Phase = Phase::Begin;
         // 1. One read, no write lock: a live record answers from it.
-        if let Some(row) = self.read_pooled(&req.scope, &req.key, P).await? {
+        let found = self.read_pooled(&req.scope, &req.key, P).await?;
+        if let Some(row) = &found {
             let now = self.now();
             if row.decides(req, now, P)? {
                 return row.answer(req, now, P);
             }
         }
-        // 2. Absent or expired: claim under the write lock, re-reading first.
-        match self.write(Op::Claim(req.clone())).await? {
+        // 2. Absent or expired: claim under the write lock.
+        let op = Op::Claim {
+            req: req.clone(),
+            absent: found.is_none(),
+        };
+        match self.write(op).await? {
             Done::Begin(begin) => Ok(begin),
             other => Err(unexpected(P, &other)),
         }
@@ -631,15 +650,15 @@ mod group_commit_tests {
         tx
     }
 
-    /// Waits (bounded) until `n` steps are queued behind the one the
-    /// writer is stuck on.
-    async fn until_queued(store: &SqliteStore, n: usize) {
+    /// Waits (bounded) until `n` more steps than `before` reached the
+    /// writer (which is stuck on the lock with the first of them).
+    async fn until_submitted(store: &SqliteStore, before: u64, n: usize) {
         let start = Instant::now();
-        while store.writer.queued() < n {
+        while store.writer.submitted() - before < n as u64 {
             assert!(
                 start.elapsed() < Duration::from_secs(10),
-                "only {} of {n} steps queued",
-                store.writer.queued()
+                "only {} of {n} steps submitted",
+                store.writer.submitted() - before
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -651,6 +670,7 @@ mod group_commit_tests {
         let store = file_store(&dir, SqliteOptions::default()).await;
         let scope = fresh_scope();
         let blocker = block_writes(&store).await;
+        let submitted = store.writer.submitted();
         // One claim gets stuck on the lock; 63 more queue behind it, two of
         // them for one key.
         let twin = fresh_key("twin");
@@ -665,7 +685,7 @@ mod group_commit_tests {
                 tokio::spawn(async move { store.begin(&r).await })
             })
             .collect();
-        until_queued(&store, keys.len() - 1).await;
+        until_submitted(&store, submitted, keys.len()).await;
         blocker.rollback().await.expect("unlock");
         let mut acquired = Vec::new();
         let mut in_flight = 0;
@@ -718,6 +738,7 @@ mod group_commit_tests {
         .expect("trigger");
         let scope = fresh_scope();
         let blocker = block_writes(&store).await;
+        let submitted = store.writer.submitted();
         let keys: Vec<IdempotencyKey> = (0..10)
             .map(|i| fresh_key(if i == 5 { "poison" } else { "good" }))
             .collect();
@@ -728,7 +749,7 @@ mod group_commit_tests {
                 tokio::spawn(async move { store.begin(&r).await })
             })
             .collect();
-        until_queued(&store, keys.len() - 1).await;
+        until_submitted(&store, submitted, keys.len()).await;
         blocker.rollback().await.expect("unlock");
         for (key, task) in keys.iter().zip(tasks) {
             let got = task.await.expect("task");
