@@ -112,10 +112,11 @@ http {
 CONF
 
 redis_prefix=
-# server_cmd CASE COUNT: sets port, mode and cmd (the server's command line, without valgrind)
+# server_cmd CASE COUNT: sets port, mode, envs (its environment) and cmd (the server's command line, without
+# valgrind: valgrind must run the server itself, not `env`, since it does not follow an exec)
 server_cmd() {
   case $1 in
-  nginx) port=$NGINX_PORT mode=plain cmd=(nginx -p "$OUT/nginx" -c "$OUT/nginx/nginx.conf") ;;
+  nginx) port=$NGINX_PORT mode=plain envs=() cmd=(nginx -p "$OUT/nginx" -c "$OUT/nginx/nginx.conf") ;;
   mem-* | sqlite-* | redis-*)
     local store
     case $1 in
@@ -124,7 +125,8 @@ server_cmd() {
     redis-*) redis_prefix=instr$(date +%s%N):; store="$REDIS_URL?idem_prefix=$redis_prefix" ;;
     esac
     port=$GATEWAY_PORT mode=${1#*-}
-    cmd=(env RUST_LOG=warn IDEM_RUNTIME_THREADS=1 "$IDEM_BIN" gateway --listen "127.0.0.1:$GATEWAY_PORT"
+    envs=(RUST_LOG=warn IDEM_RUNTIME_THREADS=1)
+    cmd=("$IDEM_BIN" gateway --listen "127.0.0.1:$GATEWAY_PORT"
       --upstream "http://127.0.0.1:$UPSTREAM_PORT" --store "$store")
     ;;
   *) die "unknown case $1 (nginx mem-unique mem-replay mem-nokey sqlite-unique redis-unique)" ;;
@@ -134,10 +136,10 @@ server_cmd() {
 # measure CASE COUNT: runs the server under callgrind for WARMUP+COUNT requests; sets m_ir (the Ir total)
 # and m_s (the seconds the requests took). Runs in this shell (not $(...)), so the cleanup trap knows its PID.
 measure() {
-  local case=$1 count=$2 port mode cmd pid file=$OUT/$1.$2.out t0 t1
+  local case=$1 count=$2 port mode envs cmd pid file=$OUT/$1.$2.out t0 t1
   server_cmd "$case" "$count"
   rm -f "$file"
-  nice -n 19 valgrind --tool=callgrind --trace-children=no --dump-instr=no --callgrind-out-file="$file" \
+  env "${envs[@]}" nice -n 19 valgrind --tool=callgrind --trace-children=no --dump-instr=no --callgrind-out-file="$file" \
     "${cmd[@]}" >"$OUT/logs/$case.$count.log" 2>&1 </dev/null &
   pid=$!
   pids+=("$pid")
