@@ -133,7 +133,7 @@ server_cmd() {
     case $1 in
     mem-*) store=memory:// ;;
     sqlite-*) store=sqlite://$OUT/$1.$2.db; rm -f "$OUT/$1.$2.db" "$OUT/$1.$2.db-wal" "$OUT/$1.$2.db-shm" ;;
-    redis-*) redis_prefix=instr$(date +%s%N):; store="$REDIS_URL?idem_prefix=$redis_prefix" ;;
+    redis-*) redis_prefix=instr$(date +%s%N); store="$REDIS_URL?idem_prefix=$redis_prefix" ;;
     esac
     port=$GATEWAY_PORT mode=${1#*-}
     envs=(RUST_LOG=warn IDEM_RUNTIME_THREADS=1)
@@ -177,7 +177,8 @@ measure() {
   wait "$pid" || log "$case: exit status $? (see $OUT/logs/$case.$count.log)"
   forget "$pid"
   if [[ -n $redis_prefix ]] && command -v redis-cli >/dev/null; then # leave the shared Redis as it was
-    redis-cli -u "$REDIS_URL" --scan --pattern "$redis_prefix*" | xargs -r -n 500 redis-cli -u "$REDIS_URL" del >/dev/null || true
+    # the store's names are {PREFIX:HASH}:r, :f and :chg
+    redis-cli -u "$REDIS_URL" --scan --pattern "{$redis_prefix:*" | xargs -r -n 500 redis-cli -u "$REDIS_URL" del >/dev/null || true
     redis_prefix=
   fi
   local files=("$file"*)
