@@ -426,9 +426,10 @@ impl Guarded {
                 running,
             };
             // The spawned run goes on in the request's span.
-            let job = run
-                .run::<S, F, E, RB>(inner, req, fingerprint)
-                .instrument(tracing::Span::current());
+            let job = Box::pin(
+                run.run::<S, F, E, RB>(inner, req, fingerprint)
+                    .instrument(tracing::Span::current()),
+            );
             match tokio::runtime::Handle::try_current() {
                 Ok(rt) => match tracker.spawn_on(job, &rt).await {
                     Ok(result) => result,
