@@ -29,11 +29,12 @@ use idem_gateway::{Gateway, GatewayArgs, GatewayConfig};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
+use tracing_subscriber::{EnvFilter, Layer};
+
 /// mimalloc rather than the system allocator: a proxied request makes 50 (no key) to 140 (first
 /// execution) small allocations, and mimalloc spends fewer instructions on each (bench/instructions.sh).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use tracing_subscriber::{EnvFilter, Layer};
 
 #[cfg(feature = "demo")]
 const LONG_ABOUT: &str = "Make write operations take effect exactly once per Idempotency-Key.\n\n\
