@@ -2,13 +2,17 @@
 //! pool of readers, write steps group-committed by one writer thread
 //! ([`writer`]) in `BEGIN IMMEDIATE` transactions.
 
+mod conn;
+mod readers;
 mod writer;
 
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use writer::{Done, Op, Target, Writer};
+use conn::Target;
+use readers::Readers;
+use writer::{Done, Op, Writer};
 
 use async_trait::async_trait;
 use idem_core::admin::{ListPage, ListQuery};
@@ -20,7 +24,6 @@ use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::SqliteConnection;
 
 use crate::common::{in_batches, list, poll_while_claimed, retry, to_i64, RawRecord, PURGE_BATCH};
 use crate::dialect::Dialect;
@@ -155,8 +158,10 @@ impl SqliteOptions {
 /// ```
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
-    /// The readers.
+    /// The sqlx pool: migrations, listings, and [`Self::pool`].
     pool: SqlitePool,
+    /// Record reads, on reader threads with their own connections.
+    readers: Readers,
     clock: SharedClock,
     /// This process's one writer: write steps queue here (and are
     /// committed in groups) instead of in SQLite's busy handler, which
@@ -241,6 +246,7 @@ impl SqliteStore {
         Self::new(
             readers,
             target,
+            options.max_connections,
             options.max_batch,
             options.poll_interval.max(Duration::from_millis(1)),
         )
@@ -249,10 +255,13 @@ impl SqliteStore {
     fn new(
         pool: SqlitePool,
         target: Target,
+        readers: u32,
         max_batch: usize,
         poll_interval: Duration,
     ) -> Result<Self, StoreError> {
+        let readers = usize::try_from(readers.clamp(1, 64)).unwrap_or(1);
         Ok(Self {
+            readers: Readers::start(&target, readers)?,
             writer: Writer::start(target, max_batch)?,
             pool,
             clock: Arc::new(SystemClock),
@@ -286,7 +295,13 @@ impl SqliteStore {
             vfs: None,
             busy_timeout: defaults.busy_timeout,
         };
-        Self::new(pool, target, defaults.max_batch, defaults.poll_interval)
+        Self::new(
+            pool,
+            target,
+            defaults.max_connections,
+            defaults.max_batch,
+            defaults.poll_interval,
+        )
     }
 
     /// Uses `clock` for lease ends and expiry (a [`idem_core::ManualClock`]
@@ -306,6 +321,7 @@ impl SqliteStore {
     /// [`StoreError::Unavailable`].
     pub async fn close(&self) {
         self.writer.close();
+        self.readers.close();
         self.pool.close().await;
     }
 
@@ -386,34 +402,14 @@ fn unavailable(phase: Phase) -> impl FnOnce(sqlx::Error) -> StoreError {
 const SELECT_RECORD: &str = "SELECT fingerprint, state, fence, deadline, response \
      FROM idem_records WHERE scope = ?1 AND key = ?2";
 
-/// Reads one record. The outer error is a failed statement; the inner one
-/// an undecodable row ([`StoreError::Corrupt`], reported for `phase`).
-async fn read_record(
-    conn: &mut SqliteConnection,
-    scope: &Scope,
-    key: &IdempotencyKey,
-    phase: Phase,
-) -> Result<Option<Result<RawRecord, StoreError>>, sqlx::Error> {
-    Ok(sqlx::query(SELECT_RECORD)
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .fetch_optional(&mut *conn)
-        .await?
-        .map(|r| RawRecord::from_row::<_, i64>(&r, phase)))
-}
-
 impl SqliteStore {
-    async fn read_pooled(
+    async fn read(
         &self,
         scope: &Scope,
         key: &IdempotencyKey,
         phase: Phase,
     ) -> Result<Option<RawRecord>, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(unavailable(phase))?;
-        read_record(&mut conn, scope, key, phase)
-            .await
-            .map_err(unavailable(phase))?
-            .transpose()
+        self.readers.read(scope, key, phase).await
     }
 }
 
@@ -422,7 +418,7 @@ impl Store for SqliteStore {
     async fn begin(&self, req: &BeginRequest) -> Result<Begin, StoreError> {
         const P: Phase = Phase::Begin;
         // 1. One read, no write lock: a live record answers from it.
-        let found = self.read_pooled(&req.scope, &req.key, P).await?;
+        let found = self.read(&req.scope, &req.key, P).await?;
         if let Some(row) = &found {
             let now = self.now();
             if row.decides(req, now, P)? {
@@ -494,7 +490,7 @@ impl Store for SqliteStore {
 
     async fn get(&self, scope: &Scope, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         const P: Phase = Phase::Get;
-        let Some(row) = self.read_pooled(scope, key, P).await? else {
+        let Some(row) = self.read(scope, key, P).await? else {
             return Ok(None);
         };
         if !row.is_live(self.now()) {
@@ -538,11 +534,11 @@ impl Store for SqliteStore {
         let claim = |row: Option<RawRecord>, now: i64| {
             row.and_then(|r| r.live_claim(now)).map(|(fence, _)| fence)
         };
-        let Some(fence) = claim(self.read_pooled(scope, key, P).await?, self.now()) else {
+        let Some(fence) = claim(self.read(scope, key, P).await?, self.now()) else {
             return Ok(());
         };
         poll_while_claimed(deadline, self.poll_interval, fence, || async {
-            Ok(claim(self.read_pooled(scope, key, P).await?, self.now()))
+            Ok(claim(self.read(scope, key, P).await?, self.now()))
         })
         .await
     }

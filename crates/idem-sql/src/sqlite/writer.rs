@@ -34,7 +34,6 @@
 //!   batch, so a cancelled request never leaves its key claimed until the
 //!   lease ends.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,21 +45,12 @@ use idem_core::{
 use rusqlite::{params, OptionalExtension, TransactionBehavior};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::common::{lease_kept, millis, to_i64, RawRecord, IN_PROGRESS};
+use super::conn::{is_decode, open, read_record, Target};
+use crate::common::{lease_kept, millis, to_i64, IN_PROGRESS};
 
 /// Steps waiting for the writer before a caller's `send` waits too
 /// (back-pressure instead of unbounded memory under overload).
 const QUEUE: usize = 4096;
-
-/// Where and how the writer opens its connection.
-#[derive(Debug, Clone)]
-pub(super) struct Target {
-    /// The database file (or the name of an in-memory `memdb` database).
-    pub(super) path: PathBuf,
-    /// SQLite's VFS (`Some("memdb")` for an in-memory database).
-    pub(super) vfs: Option<&'static str>,
-    pub(super) busy_timeout: Duration,
-}
 
 /// One write step, as a caller hands it to the writer.
 #[derive(Debug)]
@@ -324,22 +314,6 @@ fn commit(
     }
 }
 
-/// Opens the writer's connection: the store's busy timeout and
-/// `synchronous = FULL` (WAL was set on the file when the store opened it;
-/// an in-memory database keeps its journal in memory).
-fn open(target: &Target) -> Result<rusqlite::Connection, rusqlite::Error> {
-    use rusqlite::OpenFlags;
-    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = match target.vfs {
-        Some(vfs) => rusqlite::Connection::open_with_flags_and_vfs(&target.path, flags, vfs)?,
-        None => rusqlite::Connection::open_with_flags(&target.path, flags)?,
-    };
-    conn.busy_timeout(target.busy_timeout)?;
-    conn.pragma_update(None, "synchronous", "FULL")?;
-    conn.set_prepared_statement_cache_capacity(32);
-    Ok(conn)
-}
-
 fn batch(
     conn: &mut Option<rusqlite::Connection>,
     target: &Target,
@@ -368,16 +342,6 @@ fn batch(
         }
         Err(e) => Err(Failed::Step(e)), // dropping `tx` rolls back
     }
-}
-
-/// A column decoding error is a corrupt record, not an unavailable store.
-fn is_decode(e: &rusqlite::Error) -> bool {
-    matches!(
-        e,
-        rusqlite::Error::InvalidColumnType(..)
-            | rusqlite::Error::FromSqlConversionFailure(..)
-            | rusqlite::Error::IntegralValueOutOfRange(..)
-    )
 }
 
 /// Runs one step inside the batch's transaction. The outer error is a
@@ -531,34 +495,6 @@ impl Fences {
     }
 }
 
-/// Reads one record under the write lock: `None` when absent, the inner
-/// error for an undecodable row.
-fn read_record(
-    tx: &rusqlite::Transaction<'_>,
-    req: &BeginRequest,
-) -> Result<Option<Result<RawRecord, StoreError>>, rusqlite::Error> {
-    let row = tx
-        .prepare_cached(super::SELECT_RECORD)?
-        .query_row(params![req.scope.as_str(), req.key.as_str()], |row| {
-            Ok(RawRecord {
-                fingerprint: row.get(0)?,
-                state: row.get(1)?,
-                fence: row.get(2)?,
-                deadline: row.get(3)?,
-                response: row.get(4)?,
-            })
-        })
-        .optional();
-    match row {
-        Ok(row) => Ok(row.map(Ok)),
-        Err(e) if is_decode(&e) => Ok(Some(Err(StoreError::corrupt(
-            Phase::Begin,
-            format!("undecodable column: {e}"),
-        )))),
-        Err(e) => Err(e),
-    }
-}
-
 /// The claim step of `begin`. When the caller's read found no record, a
 /// plain `INSERT … ON CONFLICT DO NOTHING` claims the key in one statement;
 /// otherwise (or when a record appeared since) the record is re-read under
@@ -605,7 +541,7 @@ fn claim(
     // An ended claim (in progress past its lease) of this same request is
     // taken over; an ended result is simply replaced.
     let mut took_over = false;
-    match read_record(tx, req)? {
+    match read_record(tx, &req.scope, &req.key, P)? {
         Some(Err(corrupt)) => return Ok(Err(corrupt)),
         Some(Ok(found)) => match found.decides(req, now, P) {
             Ok(true) => return Ok(found.answer(req, now, P).map(Done::Begin)),
