@@ -48,9 +48,10 @@ pub struct SqliteOptions {
     /// holds the write lock before failing with `SQLITE_BUSY`
     /// (reported as [`StoreError::Unavailable`]). Default 5 s.
     pub busy_timeout: Duration,
-    /// Most reading connections in the pool (default 4, at least 1); the
-    /// writer has one more of its own. An in-memory database has one
-    /// reading connection.
+    /// Reader threads, each with its own connection (default 4, 1 to 64),
+    /// and the most connections of the sqlx pool ([`SqliteStore::pool`]:
+    /// migrations, listings); the writer has one more of its own. An
+    /// in-memory database's sqlx pool has one connection.
     pub max_connections: u32,
     /// Most write steps committed in one transaction by group commit
     /// (default 128, at least 1; 1 commits every step on its own, as one
@@ -119,9 +120,11 @@ impl SqliteOptions {
 ///   batch (an idle store commits a lone step at once); steps run in
 ///   arrival order, each seeing the ones before. A failed `COMMIT` fails
 ///   every step of its batch with nothing written; a failed statement rolls
-///   the batch back and its steps are run again one by one. Reads (`get`,
-///   the first read of `begin`, listings, waits) use the pool of readers
-///   and never wait for the writer (WAL).
+///   the batch back and its steps are run again one by one.
+/// - **Reads** (`get`, the first read of `begin`, `wait_for_change`) run on
+///   [`SqliteOptions::max_connections`] reader threads, each with its own
+///   connection; listings use the sqlx pool ([`Self::pool`]). Under WAL
+///   they never wait for the writer.
 /// - A busy database is waited for up to [`SqliteOptions::busy_timeout`]
 ///   (default 5 s); after that the call fails with
 ///   [`StoreError::Unavailable`] and has written nothing.
