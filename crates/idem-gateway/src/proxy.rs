@@ -2,7 +2,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
@@ -36,18 +36,8 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-/// Sets the forwarding fields of a request from `peer`, whose `Host` (or
-/// target authority) was `host`, over this hop (`https` when the client's
-/// connection is TLS, else `http`): `X-Forwarded-For` (the peer appended),
-/// `X-Forwarded-Host` (the original host), `X-Forwarded-Proto: <proto>`,
-/// and `Forwarded` (RFC 7239, an element `for=…;host="…";proto=<proto>`
-/// appended).
-///
-/// From a `trusted` peer (a proxy of the operator's, `--trusted-proxy`)
-/// the fields it sent are kept: its `X-Forwarded-Host`/`-Proto` describe
-/// the original request and stay; the lists are appended to. From any other
-/// peer every one of these fields is dropped first, so a client cannot
-/// claim another address, host or scheme to the upstream.
+/// [`Forwarding::apply`] for one request from `peer`.
+#[cfg(test)]
 pub(crate) fn set_forwarding(
     headers: &mut HeaderMap,
     peer: IpAddr,
@@ -55,81 +45,173 @@ pub(crate) fn set_forwarding(
     host: Option<&HeaderValue>,
     tls: bool,
 ) {
-    let proto = if tls { "https" } else { "http" };
-    if !trusted {
-        for name in [
-            &X_FORWARDED_FOR,
-            &X_FORWARDED_HOST,
-            &X_FORWARDED_PROTO,
-            &header::FORWARDED,
-        ] {
-            headers.remove(name);
-        }
-    }
-    let peer = peer.to_canonical();
-    append_forwarded_for(headers, peer);
-    if let Some(h) = host {
-        if !headers.contains_key(&X_FORWARDED_HOST) {
-            headers.insert(X_FORWARDED_HOST.clone(), h.clone());
-        }
-    }
-    if !headers.contains_key(&X_FORWARDED_PROTO) {
-        headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(proto));
-    }
-    append_forwarded(headers, peer, host, proto);
+    Forwarding::new(peer, trusted, tls).apply(headers, host);
 }
 
-/// Appends this hop's RFC 7239 element to `Forwarded`, joining earlier
-/// fields into one comma-separated list. The `for` node is an IPv4 address
-/// or a quoted bracketed IPv6 address (`for="[2001:db8::1]"`, §6); `host` is
-/// a quoted-string (a host with a port is not a token).
-fn append_forwarded(
-    headers: &mut HeaderMap,
-    peer: IpAddr,
-    host: Option<&HeaderValue>,
-    proto: &str,
-) {
-    let mut element = match peer {
-        IpAddr::V4(v4) => format!("for={v4}"),
-        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
-    };
-    if let Some(h) = host.and_then(|h| h.to_str().ok()) {
-        if !h.contains(['"', '\\']) {
-            element.push_str(&format!(";host=\"{h}\""));
+/// The forwarding fields' parts that depend only on the client's
+/// connection (the peer, whether it is trusted, TLS or not), formatted once
+/// per connection rather than once per request; [`Forwarding::apply`] sets
+/// them on each request.
+#[derive(Debug)]
+pub(crate) struct Forwarding {
+    trusted: bool,
+    /// `https` or `http`.
+    proto: &'static str,
+    /// The canonical peer address, as `X-Forwarded-For` appends it.
+    client: HeaderValue,
+    /// This hop's RFC 7239 `for` node: `for=192.0.2.1` or
+    /// `for="[2001:db8::1]"`.
+    for_node: String,
+    /// This hop's whole element without a host: `for=…;proto=<proto>`.
+    element_without_host: HeaderValue,
+}
+
+impl Forwarding {
+    /// The forwarding of a connection from `peer` (`trusted` when it is one
+    /// of the operator's proxies), over TLS when `tls`.
+    pub(crate) fn new(peer: IpAddr, trusted: bool, tls: bool) -> Self {
+        let proto = if tls { "https" } else { "http" };
+        let peer = peer.to_canonical();
+        let client = peer.to_string();
+        let for_node = match peer {
+            IpAddr::V4(_) => format!("for={client}"),
+            IpAddr::V6(_) => format!("for=\"[{client}]\""),
+        };
+        let element_without_host = format!("{for_node};proto={proto}");
+        Self {
+            trusted,
+            proto,
+            client: HeaderValue::from_str(&client)
+                .unwrap_or_else(|_| HeaderValue::from_static("unknown")),
+            element_without_host: HeaderValue::from_str(&element_without_host)
+                .unwrap_or_else(|_| HeaderValue::from_static("for=unknown")),
+            for_node,
         }
     }
-    element.push_str(";proto=");
-    element.push_str(proto);
-    let mut value: Vec<u8> = Vec::new();
-    for v in headers.get_all(header::FORWARDED) {
-        value.extend_from_slice(v.as_bytes());
-        value.extend_from_slice(b", ");
+
+    /// The forwarding of a connection from `peer` to `upstream`, which says
+    /// whether the peer is trusted.
+    pub(crate) fn to(upstream: &Upstream, peer: IpAddr, tls: bool) -> Self {
+        Self::new(peer, upstream.trusts(peer), tls)
     }
-    value.extend_from_slice(element.as_bytes());
-    let value = HeaderValue::from_bytes(&value)
-        .or_else(|_| HeaderValue::from_str(&element))
-        .unwrap_or_else(|_| HeaderValue::from_static("for=unknown"));
-    headers.remove(header::FORWARDED);
-    headers.insert(header::FORWARDED, value);
+
+    /// Sets the forwarding fields of a request from the peer, whose `Host`
+    /// (or target authority) was `host`, over this hop (`https` when the client's
+    /// connection is TLS, else `http`): `X-Forwarded-For` (the peer appended),
+    /// `X-Forwarded-Host` (the original host), `X-Forwarded-Proto: <proto>`,
+    /// and `Forwarded` (RFC 7239, an element `for=…;host="…";proto=<proto>`
+    /// appended).
+    ///
+    /// From a trusted peer (a proxy of the operator's, `--trusted-proxy`)
+    /// the fields it sent are kept: its `X-Forwarded-Host`/`-Proto` describe
+    /// the original request and stay; the lists are appended to. From any other
+    /// peer every one of these fields is dropped first, so a client cannot
+    /// claim another address, host or scheme to the upstream.
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, host: Option<&HeaderValue>) {
+        if !self.trusted {
+            for name in [
+                &X_FORWARDED_FOR,
+                &X_FORWARDED_HOST,
+                &X_FORWARDED_PROTO,
+                &header::FORWARDED,
+            ] {
+                headers.remove(name);
+            }
+            // None of them is left: the lists are this hop's alone.
+            headers.insert(X_FORWARDED_FOR.clone(), self.client.clone());
+            if let Some(h) = host {
+                headers.insert(X_FORWARDED_HOST.clone(), h.clone());
+            }
+            headers.insert(
+                X_FORWARDED_PROTO.clone(),
+                HeaderValue::from_static(self.proto),
+            );
+            let element = self.element(host);
+            headers.insert(header::FORWARDED, element);
+            return;
+        }
+        append_forwarded_for_str(headers, &self.client);
+        if let Some(h) = host {
+            if !headers.contains_key(&X_FORWARDED_HOST) {
+                headers.insert(X_FORWARDED_HOST.clone(), h.clone());
+            }
+        }
+        if !headers.contains_key(&X_FORWARDED_PROTO) {
+            headers.insert(
+                X_FORWARDED_PROTO.clone(),
+                HeaderValue::from_static(self.proto),
+            );
+        }
+        self.append_forwarded(headers, host);
+    }
+
+    /// This hop's RFC 7239 element: `for=…;host="…";proto=<proto>`, the
+    /// `host` a quoted-string (a host with a port is not a token) and left
+    /// out when it is not text or holds a `"` or `\`.
+    fn element(&self, host: Option<&HeaderValue>) -> HeaderValue {
+        match host.and_then(|h| h.to_str().ok()) {
+            Some(h) if !h.contains(['"', '\\']) => {
+                let mut v = Vec::with_capacity(
+                    self.for_node.len() + h.len() + ";host=\"\";proto=".len() + self.proto.len(),
+                );
+                v.extend_from_slice(self.for_node.as_bytes());
+                v.extend_from_slice(b";host=\"");
+                v.extend_from_slice(h.as_bytes());
+                v.extend_from_slice(b"\";proto=");
+                v.extend_from_slice(self.proto.as_bytes());
+                HeaderValue::from_maybe_shared(Bytes::from(v))
+                    .unwrap_or_else(|_| self.element_without_host.clone())
+            }
+            _ => self.element_without_host.clone(),
+        }
+    }
+
+    /// Appends this hop's element to `Forwarded`, joining earlier fields
+    /// into one comma-separated list.
+    fn append_forwarded(&self, headers: &mut HeaderMap, host: Option<&HeaderValue>) {
+        let element = self.element(host);
+        let mut value: Vec<u8> = Vec::new();
+        for v in headers.get_all(header::FORWARDED) {
+            value.extend_from_slice(v.as_bytes());
+            value.extend_from_slice(b", ");
+        }
+        let value = if value.is_empty() {
+            element
+        } else {
+            value.extend_from_slice(element.as_bytes());
+            HeaderValue::from_maybe_shared(Bytes::from(value)).unwrap_or(element)
+        };
+        headers.remove(header::FORWARDED);
+        headers.insert(header::FORWARDED, value);
+    }
 }
 
 /// Appends `client` to `X-Forwarded-For`, joining earlier fields into one
 /// comma-separated list (`X-Forwarded-For: 203.0.113.7, 10.0.0.2`).
 pub fn append_forwarded_for(headers: &mut HeaderMap, client: IpAddr) {
     let client = client.to_canonical().to_string();
-    let mut list: Vec<String> = headers
+    let client =
+        HeaderValue::from_str(&client).unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+    append_forwarded_for_str(headers, &client);
+}
+
+/// [`append_forwarded_for`] with the client's canonical address already
+/// formatted.
+fn append_forwarded_for_str(headers: &mut HeaderMap, client: &HeaderValue) {
+    let mut list: Vec<&str> = headers
         .get_all(&X_FORWARDED_FOR)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .map(str::trim)
         .filter(|s| !s.is_empty())
-        .map(str::to_owned)
         .collect();
-    list.push(client.clone());
-    let value = HeaderValue::from_str(&list.join(", "))
-        .or_else(|_| HeaderValue::from_str(&client))
-        .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+    let value = if list.is_empty() {
+        client.clone()
+    } else {
+        list.push(client.to_str().unwrap_or("unknown"));
+        HeaderValue::from_str(&list.join(", ")).unwrap_or_else(|_| client.clone())
+    };
     headers.remove(&X_FORWARDED_FOR);
     headers.insert(X_FORWARDED_FOR.clone(), value);
 }
@@ -329,9 +411,10 @@ pub(crate) struct Proxy {
     pub(crate) client: UpstreamClient,
     pub(crate) upstream: Arc<Upstream>,
     pub(crate) timeout: Duration,
-    pub(crate) peer: SocketAddr,
-    /// Whether the client's connection is TLS (`X-Forwarded-Proto: https`).
-    pub(crate) tls: bool,
+    /// The forwarding fields of the client's connection: its address,
+    /// whether it is a trusted proxy, and whether it is TLS
+    /// (`X-Forwarded-Proto: https`).
+    pub(crate) forwarding: Arc<Forwarding>,
     /// `idem_upstream_duration_seconds`: request sent to response head.
     pub(crate) duration: metrics::Histogram,
 }
@@ -461,14 +544,7 @@ impl Proxy {
         if let Some(fence) = parts.extensions.get::<Fence>() {
             headers.insert(IDEMPOTENCY_FENCE, fence.header_value());
         }
-        let trusted = self.upstream.trusts(self.peer.ip());
-        set_forwarding(
-            headers,
-            self.peer.ip(),
-            trusted,
-            original_host.as_ref(),
-            self.tls,
-        );
+        self.forwarding.apply(headers, original_host.as_ref());
         headers.insert(header::HOST, self.upstream.host.clone());
         parts.uri = uri;
         parts.version = Version::HTTP_11;
@@ -771,6 +847,141 @@ mod tests {
         set_forwarding(&mut tls, "10.0.0.2".parse().unwrap(), false, None, true);
         assert_eq!(tls["x-forwarded-proto"], "https");
         assert_eq!(tls["forwarded"], "for=10.0.0.2;proto=https");
+    }
+
+    /// The forwarding fields as they were set before [`Forwarding`]: every
+    /// value formatted per request.
+    fn set_forwarding_reference(
+        headers: &mut HeaderMap,
+        peer: IpAddr,
+        trusted: bool,
+        host: Option<&HeaderValue>,
+        tls: bool,
+    ) {
+        let proto = if tls { "https" } else { "http" };
+        if !trusted {
+            for name in [
+                &X_FORWARDED_FOR,
+                &X_FORWARDED_HOST,
+                &X_FORWARDED_PROTO,
+                &header::FORWARDED,
+            ] {
+                headers.remove(name);
+            }
+        }
+        let peer = peer.to_canonical();
+        let client = peer.to_string();
+        let mut list: Vec<String> = headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect();
+        list.push(client.clone());
+        let xff = HeaderValue::from_str(&list.join(", "))
+            .or_else(|_| HeaderValue::from_str(&client))
+            .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+        headers.remove(&X_FORWARDED_FOR);
+        headers.insert(X_FORWARDED_FOR.clone(), xff);
+        if let Some(h) = host {
+            if !headers.contains_key(&X_FORWARDED_HOST) {
+                headers.insert(X_FORWARDED_HOST.clone(), h.clone());
+            }
+        }
+        if !headers.contains_key(&X_FORWARDED_PROTO) {
+            headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(proto));
+        }
+        let mut element = match peer {
+            IpAddr::V4(v4) => format!("for={v4}"),
+            IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+        };
+        if let Some(h) = host.and_then(|h| h.to_str().ok()) {
+            if !h.contains(['"', '\\']) {
+                element.push_str(&format!(";host=\"{h}\""));
+            }
+        }
+        element.push_str(";proto=");
+        element.push_str(proto);
+        let mut value: Vec<u8> = Vec::new();
+        for v in headers.get_all(header::FORWARDED) {
+            value.extend_from_slice(v.as_bytes());
+            value.extend_from_slice(b", ");
+        }
+        value.extend_from_slice(element.as_bytes());
+        let value = HeaderValue::from_bytes(&value)
+            .or_else(|_| HeaderValue::from_str(&element))
+            .unwrap_or_else(|_| HeaderValue::from_static("for=unknown"));
+        headers.remove(header::FORWARDED);
+        headers.insert(header::FORWARDED, value);
+    }
+
+    #[test]
+    fn forwarding_per_connection_matches_the_reference() {
+        let peers: Vec<IpAddr> = [
+            "10.0.0.2",
+            "::ffff:10.0.0.2",
+            "2001:db8::1",
+            "::1",
+            "0.0.0.0",
+        ]
+        .iter()
+        .map(|p| p.parse().unwrap())
+        .collect();
+        let hosts: Vec<Option<HeaderValue>> = vec![
+            None,
+            Some(HeaderValue::from_static("shop.test:8000")),
+            Some(HeaderValue::from_static("[::1]:8080")),
+            Some(HeaderValue::from_static("a\"b")),
+            Some(HeaderValue::from_static("a\\b")),
+            Some(HeaderValue::from_static("")),
+            Some(HeaderValue::from_bytes(b"caf\xc3\xa9.test").unwrap()),
+        ];
+        let fields: [(&str, &[u8]); 9] = [
+            ("x-forwarded-for", b"203.0.113.7, 198.51.100.1"),
+            ("x-forwarded-for", b" , 192.0.2.9,"),
+            ("x-forwarded-for", b"\xff"),
+            ("x-forwarded-host", b"evil.test"),
+            ("x-forwarded-proto", b"https"),
+            ("forwarded", b"for=203.0.113.7;proto=https"),
+            ("forwarded", b""),
+            ("forwarded", b"for=\xff"),
+            ("content-type", b"text/plain"),
+        ];
+        for mask in 0u32..(1 << fields.len()) {
+            let mut h = HeaderMap::new();
+            h.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
+            for (i, (name, value)) in fields.iter().enumerate() {
+                if mask & (1 << i) != 0 {
+                    h.append(
+                        HeaderName::from_static(name),
+                        HeaderValue::from_bytes(value).unwrap(),
+                    );
+                }
+            }
+            h.insert(header::USER_AGENT, HeaderValue::from_static("t"));
+            for &peer in &peers {
+                for trusted in [false, true] {
+                    for tls in [false, true] {
+                        let forwarding = Forwarding::new(peer, trusted, tls);
+                        for host in &hosts {
+                            let mut want = h.clone();
+                            set_forwarding_reference(&mut want, peer, trusted, host.as_ref(), tls);
+                            let mut got = h.clone();
+                            forwarding.apply(&mut got, host.as_ref());
+                            let want: Vec<_> = want.iter().collect();
+                            let got: Vec<_> = got.iter().collect();
+                            assert_eq!(
+                                got, want,
+                                "{peer} trusted={trusted} tls={tls} {host:?} {h:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

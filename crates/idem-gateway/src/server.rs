@@ -32,7 +32,7 @@ use crate::config::{show_scope, ConfigError, GatewayConfig};
 use crate::guard::{GuardedStore, Recent};
 use crate::health::Health;
 use crate::limits::ConnectionCap;
-use crate::proxy::{self, error_chain, Proxy, Upstream, UpstreamClient};
+use crate::proxy::{self, error_chain, Forwarding, Proxy, Upstream, UpstreamClient};
 use crate::store::{open_store_with, StoreKind};
 use crate::tls::listener::TlsListener;
 use crate::upgrade::{ConnectionSlot, Tunnels};
@@ -511,8 +511,7 @@ impl Routes {
             client: self.client.clone(),
             upstream: self.upstream.clone(),
             timeout: self.upstream_timeout,
-            peer,
-            tls,
+            forwarding: Arc::new(Forwarding::to(&self.upstream, peer.ip(), tls)),
             duration: self.upstream_duration.clone(),
         };
         Root {

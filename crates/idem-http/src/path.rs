@@ -123,6 +123,68 @@ pub enum PathError {
 /// a raw `\`, a raw or encoded control character (`%00`…), a malformed
 /// escape, a double-encoded escape (`%25` + two hex digits), a raw `;`.
 pub fn normalize_path(path: &str) -> Result<Cow<'_, str>, PathError> {
+    // Most paths are normal already (`/orders/1`): one scan, no allocation.
+    if is_normal(path.as_bytes()) {
+        return Ok(Cow::Borrowed(path));
+    }
+    normalize_path_slow(path)
+}
+
+/// Whether [`normalize_path`] gives `b` back unchanged, by a conservative
+/// byte scan (`false` sends a path to [`normalize_path_slow`], which
+/// decides): it starts with `/`; every byte is one kept raw
+/// ([`is_kept_raw`]) or starts an escape with two upper-case hex digits
+/// that step 1 keeps as it is (not of an unreserved character, `/`, `\`,
+/// a control character, nor `%`, whose `%25` could start a double
+/// encoding); no segment is empty (`//`) except a last one (a trailing
+/// slash), and none is `.` or `..`.
+fn is_normal(b: &[u8]) -> bool {
+    if b.first() != Some(&b'/') {
+        return false;
+    }
+    let mut segment = 1;
+    let mut i = 1;
+    while i < b.len() {
+        match b[i] {
+            b'/' => {
+                if matches!(&b[segment..i], b"" | b"." | b"..") {
+                    return false;
+                }
+                segment = i + 1;
+            }
+            b'%' => {
+                let (Some(hi), Some(lo)) = (
+                    b.get(i + 1).copied().and_then(upper_hex_val),
+                    b.get(i + 2).copied().and_then(upper_hex_val),
+                ) else {
+                    return false;
+                };
+                let v = hi << 4 | lo;
+                if is_unreserved(v) || is_control(v) || matches!(v, b'/' | b'\\' | b'%') {
+                    return false;
+                }
+                i += 3;
+                continue;
+            }
+            c if is_kept_raw(c) => {}
+            _ => return false,
+        }
+        i += 1;
+    }
+    !matches!(&b[segment..], b"." | b"..")
+}
+
+/// The value of an upper-case hex digit (the case step 1 writes).
+fn upper_hex_val(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// [`normalize_path`] by its three steps, for any path.
+fn normalize_path_slow(path: &str) -> Result<Cow<'_, str>, PathError> {
     let b = path.as_bytes();
     if b.first() != Some(&b'/') {
         return Err(PathError::NotAbsolute);
@@ -399,6 +461,83 @@ mod tests {
         assert_eq!(rule_form("/a%"), b"/a%");
     }
 
+    /// The fast path never answers differently from the three steps: it
+    /// only takes paths they give back unchanged.
+    fn check_fast_path(p: &str) {
+        let slow = normalize_path_slow(p);
+        assert_eq!(normalize_path(p), slow, "{p:?}");
+        if is_normal(p.as_bytes()) {
+            assert_eq!(slow, Ok(Cow::Borrowed(p)), "{p:?} taken by the fast path");
+        }
+    }
+
+    #[test]
+    fn fast_path_agrees_on_tricky_paths() {
+        let fast = [
+            "/",
+            "/orders",
+            "/orders/1",
+            "/a/",
+            "/a..b/.c/..d/...",
+            "/a:b@c!$&'()*+,=",
+            "/%C3%A9",
+            "/%3B%3F%23%20",
+            "/x/%21",
+        ];
+        for p in fast {
+            assert!(is_normal(p.as_bytes()), "{p:?} should take the fast path");
+            check_fast_path(p);
+        }
+        let slow = [
+            "",
+            "*",
+            "orders",
+            "example.com:443",
+            "//",
+            "//x",
+            "/a//b",
+            "/a/./b",
+            "/a/../b",
+            "/.",
+            "/..",
+            "/a/.",
+            "/a/..",
+            "/./",
+            "/../",
+            "/%2e%2e/",
+            "/%2E%2E/",
+            "/.%2E/admin",
+            "/a%2Fb",
+            "/a%2fb",
+            "/a%5Cb",
+            "/a\\b",
+            "/a;b",
+            "/a%00",
+            "/a%7F",
+            "/a%",
+            "/a%4",
+            "/a%zz",
+            "/a%c3%a9",
+            "/a%C3%a9",
+            "/%70ay",
+            "/%41",
+            "/%7E",
+            "/%25",
+            "/%2541",
+            "/a%252F",
+            "/caf\u{e9}",
+            "/\u{1F600}",
+            "/a b",
+            "/a\"b",
+            "/a{b}",
+            "/a\u{1}",
+        ];
+        for p in slow {
+            assert!(!is_normal(p.as_bytes()), "{p:?} should take the slow path");
+            check_fast_path(p);
+        }
+    }
+
     fn check_normal(out: &str) {
         assert!(out.starts_with('/'), "{out}");
         for bad in ["//", "/./", "/../"] {
@@ -424,6 +563,18 @@ mod tests {
             if let Ok(out) = normalize_path(&p) {
                 check_normal(&out);
             }
+        }
+
+        /// The fast path agrees with the three steps on paths rich in the
+        /// troublesome characters, and on any string at all.
+        #[test]
+        fn fast_path_agrees_with_the_slow_path(
+            p in "/?[a./%2eEfF5cC0A9;~\\\\ é:@!]{0,8}(/[a.%25/;~\\\\ éC3A9B]{0,6}){0,4}",
+            q in "\\PC{0,30}",
+        ) {
+            check_fast_path(&p);
+            check_fast_path(&q);
+            check_fast_path(&format!("/{q}"));
         }
 
         /// Any string at all: never a panic; a result is normal.

@@ -46,20 +46,61 @@ pub const HOP_BY_HOP: [&str; 7] = [
 /// assert!(h.contains_key("etag"));
 /// ```
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let listed: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .filter(|n| *n != crate::key::IDEMPOTENCY_KEY)
-        .collect();
-    for name in listed {
-        headers.remove(name);
+    // One pass over the names present: most maps have no hop-by-hop field
+    // at all, and then nothing is parsed, hashed or removed. `Connection`
+    // is itself one of them, so a map without any names none either.
+    let mut present = 0u8;
+    for name in headers.keys() {
+        if let Some(i) = hop_by_hop_index(name) {
+            present |= 1 << i;
+        }
     }
-    for name in HOP_BY_HOP {
-        headers.remove(name);
+    if present == 0 {
+        return;
     }
+    if present & 1 != 0 {
+        let listed: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .filter(|n| *n != crate::key::IDEMPOTENCY_KEY)
+            .collect();
+        for name in listed {
+            headers.remove(name);
+        }
+    }
+    for (i, name) in HOP_BY_HOP_NAMES.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
+    }
+}
+
+/// [`HOP_BY_HOP`] as header names, in the same order (`Connection` first).
+static HOP_BY_HOP_NAMES: [HeaderName; 7] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// The index of `name` in [`HOP_BY_HOP`], if it is one of them.
+fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
+    Some(match name.as_str() {
+        "connection" => 0,
+        "keep-alive" => 1,
+        "proxy-connection" => 2,
+        "te" => 3,
+        "trailer" => 4,
+        "transfer-encoding" => 5,
+        "upgrade" => 6,
+        _ => return None,
+    })
 }
 
 /// The headers a replay may carry: without hop-by-hop fields,
@@ -185,6 +226,118 @@ mod tests {
         assert_eq!(names.len(), 2, "{names:?}");
         assert!(h.contains_key("idempotency-key"));
         assert!(h.contains_key("content-type"));
+    }
+
+    /// The removal as it was before the one-pass scan: every listed field,
+    /// then every name of [`HOP_BY_HOP`].
+    fn strip_reference(headers: &mut HeaderMap) {
+        let listed: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .filter(|n| *n != crate::key::IDEMPOTENCY_KEY)
+            .collect();
+        for name in listed {
+            headers.remove(name);
+        }
+        for name in HOP_BY_HOP {
+            headers.remove(name);
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_names_match_the_list() {
+        let names: Vec<&str> = HOP_BY_HOP_NAMES.iter().map(HeaderName::as_str).collect();
+        assert_eq!(names, HOP_BY_HOP);
+        for (i, name) in HOP_BY_HOP_NAMES.iter().enumerate() {
+            assert_eq!(hop_by_hop_index(name), Some(i), "{name}");
+        }
+        for other in [
+            "content-type",
+            "host",
+            "x-te",
+            "connections",
+            "upgrade-insecure-requests",
+        ] {
+            let n = HeaderName::from_static(other);
+            assert_eq!(hop_by_hop_index(&n), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn one_pass_strip_matches_the_reference() {
+        let names = [
+            "connection",
+            "keep-alive",
+            "proxy-connection",
+            "te",
+            "trailer",
+            "transfer-encoding",
+            "upgrade",
+            "idempotency-key",
+            "x-hop",
+            "content-type",
+            "set-cookie",
+            "host",
+        ];
+        let connection_values: [&'static str; 8] = [
+            "close",
+            "keep-alive",
+            "x-hop, Idempotency-Key",
+            " X-Hop ,, content-type ,",
+            "upgrade",
+            "te, trailer, host",
+            "bad name, x-hop",
+            "",
+        ];
+        // Every subset of a few names, with each `Connection` value.
+        for mask in 0u32..(1 << names.len()) {
+            for (ci, conn) in connection_values.iter().enumerate() {
+                if mask & 1 == 0 && ci > 0 {
+                    continue;
+                }
+                let mut h = HeaderMap::new();
+                for (i, name) in names.iter().enumerate() {
+                    if mask & (1 << i) != 0 {
+                        let value = if *name == "connection" { conn } else { "v" };
+                        h.append(
+                            HeaderName::from_static(name),
+                            HeaderValue::from_static(value),
+                        );
+                        if *name == "set-cookie" {
+                            h.append(header::SET_COOKIE, HeaderValue::from_static("w"));
+                        }
+                    }
+                }
+                let mut want = h.clone();
+                strip_reference(&mut want);
+                let mut got = h.clone();
+                strip_hop_by_hop(&mut got);
+                assert_eq!(got, want, "{h:?}");
+            }
+        }
+        // Two `Connection` fields and a value that is not a string.
+        let mut h = HeaderMap::new();
+        h.append(header::CONNECTION, HeaderValue::from_static("x-a"));
+        h.append(
+            header::CONNECTION,
+            HeaderValue::from_bytes(b"x-b, \xff").unwrap(),
+        );
+        h.append(header::CONNECTION, HeaderValue::from_static("x-c"));
+        for n in ["x-a", "x-b", "x-c", "x-d"] {
+            h.insert(HeaderName::from_static(n), HeaderValue::from_static("1"));
+        }
+        let mut want = h.clone();
+        strip_reference(&mut want);
+        let mut got = h;
+        strip_hop_by_hop(&mut got);
+        assert_eq!(got, want);
+        assert_eq!(
+            got.keys().map(HeaderName::as_str).collect::<Vec<_>>(),
+            ["x-b", "x-d"]
+        );
     }
 
     #[tokio::test]
