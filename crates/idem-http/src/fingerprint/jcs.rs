@@ -22,7 +22,9 @@
 //!   escapes them (`\"`, `\\`, `\b`, `\t`, `\n`, `\f`, `\r`, other
 //!   controls as `\u00xx`, everything else as UTF-8); numbers as
 //!   `ryu_js` writes their double, except integer literals (below 2^53),
-//!   which are their own ECMAScript form and are copied (`-0` is `0`).
+//!   which are their own ECMAScript form and are copied (`-0` is `0`), and
+//!   plain decimals of at most 15 significant digits from 1e-6 on, which
+//!   are too once their trailing zeros are dropped ([`plain_decimal`]).
 //!
 //! A non-integer number is read by serde_json itself (the parser the
 //! `Value` path uses); should it refuse a literal this grammar accepted,
@@ -31,7 +33,9 @@
 use std::cell::RefCell;
 use std::cmp::Ordering;
 
-use super::{canonical_json_via_value, fits_double, EXACT_LIMIT, SERDE_JSON_PRIVATE};
+use super::{
+    canonical_json_via_value, fits_double, short_plain_decimal, EXACT_LIMIT, SERDE_JSON_PRIVATE,
+};
 
 /// serde_json's recursion limit: the container that brings the remaining
 /// depth to 0 fails.
@@ -154,6 +158,43 @@ fn utf16_order(a: &[u8], b: &[u8]) -> Ordering {
             }
         }
     }
+}
+
+/// Writes the ECMAScript form (`Number::toString`) of a literal without
+/// exponent that [`short_plain_decimal`] accepts, `-` aside (`digits` is
+/// `int.frac`), unless it is below 1e-6 (written with an exponent: false,
+/// nothing written).
+///
+/// Such a literal is the shortest decimal of its double (the module docs
+/// of the parent), so `ryu_js` would write its digits, trailing zeros
+/// dropped; below 1e21 and from 1e-6 on, ECMAScript writes them without
+/// exponent. Its integer part has at most 15 digits: below 2^53.
+fn plain_decimal(c: &mut Canonicaliser, negative: bool, digits: &[u8]) -> bool {
+    let (int, frac) = match digits.iter().position(|&d| d == b'.') {
+        Some(dot) => (&digits[..dot], &digits[dot + 1..]),
+        None => (digits, &digits[digits.len()..]),
+    };
+    let significant = frac.len() - frac.iter().rev().take_while(|&&d| d == b'0').count();
+    let frac = &frac[..significant];
+    if int == b"0" {
+        if frac.is_empty() {
+            // 0, -0, 0.000, -0.0: 0.
+            c.out.push(b'0');
+            return true;
+        }
+        if frac.iter().take_while(|&&d| d == b'0').count() >= 6 {
+            return false;
+        }
+    }
+    if negative {
+        c.out.push(b'-');
+    }
+    c.out.extend_from_slice(int);
+    if !frac.is_empty() {
+        c.out.push(b'.');
+        c.out.extend_from_slice(frac);
+    }
+    true
 }
 
 /// Writes decoded string content `s` as serde_json escapes it, quotes
@@ -551,6 +592,9 @@ impl Parser<'_> {
             } else {
                 c.out.extend_from_slice(text);
             }
+            return Ok(());
+        }
+        if short_plain_decimal(text_str) && plain_decimal(c, negative, &b[int_start..i]) {
             return Ok(());
         }
         if !fits_double(text_str) {
