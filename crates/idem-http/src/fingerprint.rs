@@ -636,7 +636,7 @@ pub fn is_json_media_type(content_type: &[u8]) -> bool {
 /// assert_eq!(canonical_json(br#"{"amount":0.1000000000000000001}"#), None);
 /// ```
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    let mut c = jcs::Canonicaliser::default();
+    let mut c = jcs::Canonicaliser::with_output_capacity(body.len());
     c.canonicalise(body).then(|| c.into_output())
 }
 

@@ -83,6 +83,15 @@ thread_local! {
 }
 
 impl Canonicaliser {
+    /// Fresh buffers, room for `n` bytes of output (a canonical form is
+    /// seldom longer than its text).
+    pub(super) fn with_output_capacity(n: usize) -> Self {
+        Self {
+            out: Vec::with_capacity(n),
+            ..Self::default()
+        }
+    }
+
     /// Canonicalises `body` into `self.out`; false when it has no
     /// canonical form (the `Value` path would say `None`).
     pub(super) fn canonicalise(&mut self, body: &[u8]) -> bool {
