@@ -67,6 +67,18 @@ fn fingerprints(c: &mut Criterion) {
         ..FingerprintSpec::default()
     };
     let mut g = c.benchmark_group("fingerprint");
+    // A small order, as most proxied requests carry.
+    let small: &[u8] = br#"{"item":"book","qty":1,"price":12.5,"gift":true}"#;
+    assert!(canonical_json(small).is_some(), "the small body is I-JSON");
+    g.throughput(Throughput::Bytes(small.len() as u64));
+    g.bench_with_input(BenchmarkId::new("json", small.len()), small, |b, body| {
+        b.iter(|| request_fingerprint(&Method::POST, &uri, &json, black_box(body)))
+    });
+    g.bench_with_input(
+        BenchmarkId::new("canonical_json", small.len()),
+        small,
+        |b, body| b.iter(|| canonical_json(black_box(body))),
+    );
     for size in [1024usize, 64 * 1024] {
         let body = json_body(size);
         assert!(canonical_json(&body).is_some(), "the JSON body is I-JSON");

@@ -53,6 +53,8 @@ use serde_json::{Map, Number, Value};
 
 use crate::json_pointer::{array_index, pointer_tokens};
 
+mod jcs;
+
 /// Tag of the fingerprint format, hashed first so a change of format never
 /// collides with an older one.
 const FORMAT: &[u8] = b"idem-http/fingerprint/1";
@@ -119,11 +121,17 @@ fn is_json_body(content_types: &[&[u8]]) -> bool {
 /// Hashes the whole body: its canonical form when it is a JSON body and
 /// I-JSON, else its raw bytes.
 fn whole_body(b: &mut FingerprintBuilder, json: bool, body: &[u8]) {
-    let canonical = if json { canonical_json(body) } else { None };
-    match canonical {
-        Some(c) => b.part(b"jcs").part(&c),
-        None => b.part(b"raw").part(body),
-    };
+    let hashed = json
+        && jcs::Canonicaliser::with_thread_buffers(|c| {
+            let ok = c.canonicalise(body);
+            if ok {
+                b.part(b"jcs").part(c.output());
+            }
+            ok
+        });
+    if !hashed {
+        b.part(b"raw").part(body);
+    }
 }
 
 /// Which parts of a request count for its fingerprint (per route; see
@@ -628,6 +636,14 @@ pub fn is_json_media_type(content_type: &[u8]) -> bool {
 /// assert_eq!(canonical_json(br#"{"amount":0.1000000000000000001}"#), None);
 /// ```
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    let mut c = jcs::Canonicaliser::with_output_capacity(body.len());
+    c.canonicalise(body).then(|| c.into_output())
+}
+
+/// [`canonical_json`] through a serde_json [`Value`]: [`strict_value`],
+/// then `serde_json_canonicalizer`. The reference the single-pass
+/// canonicaliser ([`jcs`]) matches byte for byte, and its fallback.
+fn canonical_json_via_value(body: &[u8]) -> Option<Vec<u8>> {
     canonical_value(&strict_value(body)?)
 }
 
@@ -1424,6 +1440,341 @@ mod tests {
             assert!(!short_plain_decimal(t), "{t}");
         }
         assert!(!short_plain_decimal(&format!("0.{}1", "0".repeat(70))));
+    }
+
+    /// The single-pass canonical form of `body`, through the thread's
+    /// reused buffers and through fresh ones, checked equal.
+    fn single_pass(body: &[u8]) -> Option<Vec<u8>> {
+        let reused = jcs::Canonicaliser::with_thread_buffers(|c| {
+            c.canonicalise(body).then(|| c.output().to_vec())
+        });
+        assert_eq!(
+            reused,
+            canonical_json(body),
+            "{:?}",
+            String::from_utf8_lossy(body)
+        );
+        reused
+    }
+
+    #[test]
+    fn single_pass_matches_the_value_path_at_the_edges() {
+        let mut bodies: Vec<Vec<u8>> = Vec::new();
+        for depth in 120..=132 {
+            bodies.push(format!("{}{}", "[".repeat(depth), "]".repeat(depth)).into_bytes());
+            bodies.push(format!("{}1{}", "[".repeat(depth), "]".repeat(depth)).into_bytes());
+            bodies.push(format!("{}{}", r#"{"a":"#.repeat(depth), "}".repeat(depth)).into_bytes());
+            bodies.push(
+                format!(
+                    "{}{{}}{}",
+                    r#"{"a":["#.repeat(depth / 2),
+                    "]}".repeat(depth / 2)
+                )
+                .into_bytes(),
+            );
+        }
+        for text in [
+            "",
+            " ",
+            "1",
+            "-0",
+            "-0.0",
+            "0e5",
+            "0e99999999999",
+            "1e-400",
+            "-1e-400",
+            "1e400",
+            "9007199254740991",
+            "9007199254740992",
+            "-9007199254740991",
+            "-9007199254740992",
+            "9007199254740991.0",
+            "9007199254740992.0",
+            "9.007199254740992e15",
+            "-9007199254740992e0",
+            "9007199254740991e0",
+            "9007199254740991.5",
+            "900719925474099.5",
+            "18446744073709551616",
+            "1234567890123456",
+            "0.30000000000000004",
+            "5e-324",
+            "4.9406564584124654e-324",
+            "1.7976931348623157e308",
+            "1e21",
+            "1e-7",
+            "1E+2",
+            "1.5e-7",
+            "0.000001",
+            "0.0000001",
+            "-0.000001",
+            "0.00000100",
+            "0.0000012",
+            "-0.00000999999999999",
+            "0.000009999999999999",
+            "-0.000",
+            "12.50",
+            "-3.0",
+            "123456789012345.0",
+            "0.123456789012345000",
+            "123456789012345678901234567890e-30",
+            "01",
+            "1.",
+            ".5",
+            "+1",
+            "-",
+            "1e",
+            "1e+",
+            "--1",
+            "0x10",
+            "1.5.3",
+            "NaN",
+            "Infinity",
+            "true",
+            "false",
+            "null",
+            "tru",
+            "nul",
+            "truex",
+            "[1,]",
+            "[,1]",
+            "{\"a\":1,}",
+            "{,}",
+            "{\"a\"}",
+            "{\"a\":}",
+            "{1:2}",
+            "[1 2]",
+            "{\"a\":1 \"b\":2}",
+            "[1] x",
+            "[1]\u{0}",
+            "\u{feff}[1]",
+            "[1]\x0c",
+            r#""\u0000\u001f\u007f\u0080\u2028\u2029""#,
+            r#""\ud83d\ude00""#,
+            r#""\ud83d""#,
+            r#""\ude00""#,
+            r#""\ud83d\u0041""#,
+            r#""\ud83d\n""#,
+            r#""\ud83d\ud83d\ude00""#,
+            r#""\uD83D\uDE00""#,
+            r#""\u00E9""#,
+            r#""\x""#,
+            r#""\u12""#,
+            r#""\u12g4""#,
+            r#""a\/b\"c\\d\b\f\n\r\t""#,
+            "\"tab\there\"",
+            "\"\u{1}\"",
+            "\"unterminated",
+            r#"{"b":1,"a":2,"\u0061":3}"#,
+            r#"{"a":1,"\u0061":2}"#,
+            r#"{"é":1,"e\u0301":2}"#,
+            "{\"\u{10000}\":1,\"\u{e000}\":2,\"\u{ffff}\":3,\"\u{d7ff}\":4}",
+            "{\"\u{e000}\":1,\"\u{10ffff}\":2,\"\u{10000}\":3,\"\u{7f}\":4,\"\":5}",
+            r#"{"$serde_json::private::RawValue":1}"#,
+            r#"{"$serde_json::private":1}"#,
+            r#"{"\u0024serde_json::private::Number":"1"}"#,
+            r#"{"a":{"b":1,"a":2},"a ":[]}"#,
+            r#"{"a":{"x":1,"x":1}}"#,
+            r#"[{"b":1,"a":2},{"d":[3,{"f":1,"e":2}],"c":0}]"#,
+        ] {
+            bodies.push(text.as_bytes().to_vec());
+        }
+        bodies.push(b"\"\xff\"".to_vec());
+        bodies.push(b"\"\xc3\"".to_vec());
+        bodies.push(b"{\"\xed\xa0\x80\":1}".to_vec());
+        bodies.push(b"[\"\xe2\x82\"]".to_vec());
+        for body in bodies {
+            assert_eq!(
+                single_pass(&body),
+                canonical_json_via_value(&body),
+                "{:?}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+    }
+
+    /// A JSON number literal, or a near miss.
+    fn arb_number() -> impl Strategy<Value = String> {
+        prop_oneof![
+            8 => "-?(0|[1-9][0-9]{0,5})(\\.[0-9]{1,4}0{0,2})?([eE][+-]?0?[0-9])?",
+            1 => "-?(0|[1-9][0-9]{0,18})(\\.[0-9]{1,18})?([eE][+-]?[0-9]{1,3})?",
+            2 => "-?0\\.0{0,8}[0-9]{0,6}0{0,2}",
+            1 => any::<f64>().prop_map(|f| format!("{f}")),
+            1 => any::<f64>().prop_map(|f| format!("{f:e}")),
+            1 => any::<f64>().prop_map(|f| format!("{f:E}")),
+            2 => any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(|f| serde_json_canonicalizer::to_string(&f).unwrap()),
+            2 => (-1e15f64..1e15).prop_map(|f| serde_json_canonicalizer::to_string(&f).unwrap()),
+            1 => any::<i64>().prop_map(|i| i.to_string()),
+            1 => ((1i64 << 53) - 3..(1i64 << 53) + 3, any::<bool>())
+                .prop_map(|(i, neg)| format!("{}{i}", if neg { "-" } else { "" })),
+            1 => prop::sample::select(vec![
+                "888888888888888.2",
+                "888888888888888.3",
+                "-1466536241731893.25",
+                "1e-7",
+                "0.1000000000000000001",
+                "9007199254740992.0",
+                "9.007199254740991e15",
+                "5e-324",
+                "2.2250738585072014e-308",
+                "1e21",
+                "-0",
+                "01",
+                "1.",
+                "-",
+                "1e",
+                ".5",
+                "0.0e0",
+                "1E+21",
+                "1e-400",
+            ])
+            .prop_map(String::from),
+        ]
+    }
+
+    /// A JSON string literal (quotes included), with escapes, surrogates
+    /// (paired or not), raw controls, now and then invalid.
+    fn arb_string() -> impl Strategy<Value = String> {
+        let piece = prop_oneof![
+            16 => "\\PC{0,6}",
+            4 => "[a-zA-Z\\u{e9}\\u{e000}\\u{ffff}\\u{10000}\\u{1f600}]{1,3}",
+            8 => prop::sample::select(vec![
+                "\\\"", "\\\\", "\\/", "\\b", "\\f", "\\n", "\\r", "\\t", "\\u0000",
+                "\\u001F", "\\u007f", "\\u00e9", "\\u2028", "\\uD83D\\uDE00", "\\ud800\\udc00",
+                "\\udbff\\udfff", "\\uE000", "\\uffff", "$serde_json::private::", "\\u0024",
+            ])
+            .prop_map(String::from),
+            2 => any::<u16>().prop_map(|u| format!("\\u{u:04x}")),
+            1 => prop::sample::select(vec![
+                "\\ud800", "\\udc00", "\\ud800\\u0041", "\\ud800x", "\\x", "\\u12", "\u{1}",
+                "\t", "\\", "\"",
+            ])
+            .prop_map(String::from),
+        ];
+        prop::collection::vec(piece, 0..4).prop_map(|ps| format!("\"{}\"", ps.concat()))
+    }
+
+    /// A member name: often one of a few (duplicates, names equal once
+    /// decoded, names that sort differently in UTF-16 and in code points).
+    fn arb_name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => prop::sample::select(vec![
+                "\"a\"", "\"b\"", "\"\\u0061\"", "\"A\"", "\"\"", "\"a \"", "\"aa\"",
+                "\"\u{e9}\"", "\"\\u00e9\"", "\"\u{e000}\"", "\"\u{ffff}\"", "\"\u{10000}\"",
+                "\"\\ud800\\udc00\"", "\"\u{1f600}\"", "\"\u{7f}\"", "\"\\n\"",
+                "\"$serde_json::private::RawValue\"",
+            ])
+            .prop_map(String::from),
+            2 => arb_string(),
+        ]
+    }
+
+    /// Whitespace, now and then something that is not JSON whitespace.
+    fn arb_ws() -> impl Strategy<Value = &'static str> {
+        prop_oneof![
+            40 => prop::sample::select(vec!["", " ", "\n", "\t", "\r", " \t\r\n "]),
+            1 => prop::sample::select(vec!["\u{c}", "\u{a0}", "\u{feff}", "\u{b}", "x"]),
+        ]
+    }
+
+    /// A JSON text (or a near miss): nested objects and arrays with
+    /// duplicate names, unicode and escaped strings, every kind of number,
+    /// whitespace.
+    fn arb_text() -> impl Strategy<Value = String> {
+        let leaf = prop_oneof![
+            3 => arb_number(),
+            3 => arb_string(),
+            2 => prop::sample::select(vec!["true", "false", "null"]).prop_map(String::from),
+            1 => prop::sample::select(vec!["tru", "nulll", "[1,]", "{,}"]).prop_map(String::from),
+        ];
+        let tree = leaf.prop_recursive(5, 64, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec((arb_ws(), inner.clone(), arb_ws()), 0..6).prop_map(
+                    |items| {
+                        let items: Vec<String> = items
+                            .into_iter()
+                            .map(|(a, v, b)| format!("{a}{v}{b}"))
+                            .collect();
+                        format!("[{}]", items.join(","))
+                    }
+                ),
+                prop::collection::vec((arb_ws(), arb_name(), arb_ws(), inner), 0..6).prop_map(
+                    |members| {
+                        let members: Vec<String> = members
+                            .into_iter()
+                            .map(|(a, k, b, v)| format!("{a}{k}{b}:{a}{v}{b}"))
+                            .collect();
+                        format!("{{{}}}", members.join(","))
+                    }
+                ),
+            ]
+        });
+        (arb_ws(), tree, arb_ws()).prop_map(|(a, t, b)| format!("{a}{t}{b}"))
+    }
+
+    /// One edit of a text: delete, insert or replace a byte.
+    fn mutate(text: &[u8], edits: &[(u8, usize, u8)]) -> Vec<u8> {
+        const BYTES: &[u8] = b"{}[],:\"\\ 0123456789.eE+-tfnu\x00\x1f\x7f\x80\xc3\xed\xff";
+        let mut t = text.to_vec();
+        for &(kind, at, byte) in edits {
+            let byte = if byte < 128 {
+                BYTES[usize::from(byte) % BYTES.len()]
+            } else {
+                byte
+            };
+            let at = if t.is_empty() { 0 } else { at % (t.len() + 1) };
+            match kind % 3 {
+                0 if at < t.len() => {
+                    t.remove(at);
+                }
+                1 => t.insert(at, byte),
+                _ if at < t.len() => t[at] = byte,
+                _ => t.push(byte),
+            }
+        }
+        t
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// The single pass writes what the `Value` path writes, and refuses
+        /// what it refuses, over generated JSON texts.
+        #[test]
+        fn single_pass_matches_the_value_path(text in arb_text()) {
+            prop_assert_eq!(single_pass(text.as_bytes()), canonical_json_via_value(text.as_bytes()), "{}", text);
+        }
+
+        /// The same over mutated JSON texts.
+        #[test]
+        fn single_pass_matches_the_value_path_on_mutated_texts(
+            text in arb_text(),
+            edits in prop::collection::vec((any::<u8>(), any::<usize>(), any::<u8>()), 1..4),
+        ) {
+            let body = mutate(text.as_bytes(), &edits);
+            prop_assert_eq!(single_pass(&body), canonical_json_via_value(&body), "{:?}", String::from_utf8_lossy(&body));
+        }
+
+        /// The same over arbitrary bytes, and over valid JSON values
+        /// written plainly and with noise.
+        #[test]
+        fn single_pass_matches_the_value_path_on_bytes_and_values(
+            bytes in prop::collection::vec(any::<u8>(), 0..48),
+            v in arb_json(),
+            noise in prop::collection::vec(any::<u8>(), 0..64),
+        ) {
+            prop_assert_eq!(single_pass(&bytes), canonical_json_via_value(&bytes));
+            let plain = serde_json::to_vec(&v).unwrap();
+            let mut noisy = String::new();
+            write_noisy(&v, &mut noise.into_iter().cycle(), &mut noisy);
+            for body in [&plain[..], noisy.as_bytes()] {
+                let c = single_pass(body);
+                prop_assert!(c.is_some());
+                prop_assert_eq!(&c, &canonical_json_via_value(body));
+            }
+        }
     }
 
     proptest! {
