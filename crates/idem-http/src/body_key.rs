@@ -4,7 +4,7 @@
 //!
 //! The body is parsed as strictly as the fingerprint parses it
 //! ([`crate::fingerprint`]): an object with a duplicate member name
-//! anywhere, a lone surrogate, nesting deeper than 128 or malformed JSON is
+//! anywhere, a lone surrogate, nesting 128 levels deep or more or malformed JSON is
 //! [`BodyKeyError::NotJson`], so no two readers of one body can find two
 //! different keys in it. The member must be a string (a valid
 //! [`IdempotencyKey`]) or an integer of magnitude below 2^53 (the key is its
@@ -23,7 +23,7 @@ const EXACT_LIMIT: u64 = 1 << 53;
 #[non_exhaustive]
 pub enum BodyKeyError {
     /// The body is not JSON (or not I-JSON: a duplicate member name, a
-    /// lone surrogate, nesting deeper than 128).
+    /// lone surrogate, nesting 128 levels deep or more).
     #[error("the request body is not JSON")]
     NotJson,
     /// The member is there but is not a string or an integer (a float, a

@@ -13,7 +13,7 @@
 //! value as RFC 8785 says (`1.0`, `1`, `1e0` and `100`, `1E2` are the
 //! same). A body that is not I-JSON (RFC 7493) is hashed as raw bytes,
 //! without an error: malformed JSON, a lone surrogate, an object with a
-//! duplicate member name, nesting deeper than 128, or a number of magnitude
+//! duplicate member name, nesting 128 levels deep or more, or a number of magnitude
 //! 2^53 or more (where doubles no longer hold every integer, so two
 //! different large amounts could otherwise share a fingerprint).
 //!
@@ -625,7 +625,7 @@ pub fn is_json_media_type(content_type: &[u8]) -> bool {
 
 /// The RFC 8785 canonical form of a JSON text, or `None` when it is not
 /// I-JSON (malformed, duplicate member names, a lone surrogate, a number of
-/// magnitude 2^53 or more, nested deeper than 128) or when a number is more
+/// magnitude 2^53 or more, nested 128 levels deep or more) or when a number is more
 /// precise than a double (see the [module docs](self)).
 ///
 /// ```
@@ -664,7 +664,7 @@ fn canonical_value(value: &Value) -> Option<Vec<u8>> {
 }
 
 /// The value of a JSON text parsed as strictly as [`canonical_json`] parses
-/// it (duplicate member names, lone surrogates, nesting deeper than 128,
+/// it (duplicate member names, lone surrogates, nesting 128 levels deep or more,
 /// serde_json's private member names are errors) except for numbers, which
 /// are kept as serde_json reads them (an integer literal that fits 64 bits
 /// exactly; any other number as a double). For [`crate::body_key`].

@@ -646,7 +646,7 @@ impl Run {
 /// `token-required` on a token route).
 ///
 /// A body that is not I-JSON (RFC 7493: malformed, a duplicate member
-/// name, a lone surrogate, nested deeper than 128) is refused whether a key
+/// name, a lone surrogate, nested 128 levels deep or more) is refused whether a key
 /// is required or not: a parser of the upstream may still read a key in it
 /// (the last of two `event_id` members), so passing it through would run
 /// an event that already ran.
