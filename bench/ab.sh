@@ -23,23 +23,8 @@ up=18180 ng=18181 gw=18190
 
 bench_bg ab-upstream node "$harness/servers/upstream.js" "$up"
 wait_port "$up"
-mkdir -p "$RUN_DIR/nginx/tmp" "$RUN_DIR/nginx/logs"
-cat >"$RUN_DIR/nginx/nginx.conf" <<CONF
-worker_processes 1;
-pid $RUN_DIR/nginx/nginx.pid;
-error_log $RUN_DIR/nginx/logs/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $RUN_DIR/nginx/tmp/body;
-  proxy_temp_path $RUN_DIR/nginx/tmp/proxy;
-  fastcgi_temp_path $RUN_DIR/nginx/tmp/fastcgi;
-  uwsgi_temp_path $RUN_DIR/nginx/tmp/uwsgi;
-  scgi_temp_path $RUN_DIR/nginx/tmp/scgi;
-  upstream app { server 127.0.0.1:$up; keepalive 64; }
-  server { listen 127.0.0.1:$ng; location / { proxy_pass http://app; proxy_http_version 1.1; proxy_set_header Connection ""; } }
-}
-CONF
+source "$root/bench/lib/nginx_conf.sh"
+nginx_conf "$RUN_DIR/nginx" "$up" "$ng"
 bench_bg ab-nginx nginx -p "$RUN_DIR/nginx" -c "$RUN_DIR/nginx/nginx.conf" -g 'daemon off;'
 wait_port "$ng"
 

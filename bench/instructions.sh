@@ -103,24 +103,8 @@ node "$upstream_js" "$UPSTREAM_PORT" >"$OUT/logs/upstream.log" 2>&1 </dev/null &
 pids+=($!)
 wait_port "$UPSTREAM_PORT" $! 30 || die "the upstream did not start (see $OUT/logs/upstream.log)"
 
-cat >"$OUT/nginx/nginx.conf" <<CONF
-worker_processes 1;
-master_process off;
-daemon off;
-pid $OUT/nginx/nginx.pid;
-error_log $OUT/nginx/logs/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $OUT/nginx/tmp/body;
-  proxy_temp_path $OUT/nginx/tmp/proxy;
-  fastcgi_temp_path $OUT/nginx/tmp/fastcgi;
-  uwsgi_temp_path $OUT/nginx/tmp/uwsgi;
-  scgi_temp_path $OUT/nginx/tmp/scgi;
-  upstream app { server 127.0.0.1:$UPSTREAM_PORT; keepalive 64; }
-  server { listen 127.0.0.1:$NGINX_PORT; location / { proxy_pass http://app; proxy_http_version 1.1; proxy_set_header Connection ""; } }
-}
-CONF
+source "$root/bench/lib/nginx_conf.sh"
+nginx_conf "$OUT/nginx" "$UPSTREAM_PORT" "$NGINX_PORT" $'master_process off;\ndaemon off;\n'
 
 redis_prefix=
 # server_cmd CASE COUNT: sets port, mode, envs (its environment) and cmd (the server's command line, without
