@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::error::StoreError;
 use crate::instrument::{LEASE_LOST, LEASE_TAKEOVERS, SAVES_GIVEN_UP, SAVE_RETRIES};
-use crate::store::{Begin, BeginRequest, HoldReason, Lease, Store};
+use crate::store::{Begin, BeginRequest, HoldReason, Lease, Record, RecordState, Store};
 use crate::{Fingerprint, IdempotencyKey, Scope, StoredResponse};
 
 /// What to do with a key once its operation has finished.
@@ -869,6 +869,9 @@ impl<S: Store> ResultSave<S> {
         &mut self,
         until: Option<tokio::time::Instant>,
     ) -> Result<Saved, StoreError> {
+        // Whether a `complete` was sent whose answer was lost (timed out,
+        // or the connection failed): it may have saved the result.
+        let mut maybe_saved = false;
         loop {
             let err = match self
                 .store
@@ -876,9 +879,13 @@ impl<S: Store> ResultSave<S> {
                 .await
             {
                 Ok(()) => return Ok(Saved::Stored),
-                Err(StoreError::LeaseLost { .. }) => return Ok(Saved::LeaseLost),
+                Err(StoreError::LeaseLost { .. }) => return Ok(self.lost(maybe_saved).await),
                 Err(e) => e,
             };
+            maybe_saved |= matches!(
+                err,
+                StoreError::Timeout { .. } | StoreError::Unavailable { .. }
+            );
             match self.store.extend(&self.lease, self.lease_for).await {
                 Ok(l) => {
                     self.lease = l;
@@ -895,7 +902,7 @@ impl<S: Store> ResultSave<S> {
                         continue;
                     }
                 }
-                Err(StoreError::LeaseLost { .. }) => return Ok(Saved::LeaseLost),
+                Err(StoreError::LeaseLost { .. }) => return Ok(self.lost(maybe_saved).await),
                 Err(_) => {}
             }
             if let Some(until) = until {
@@ -907,6 +914,31 @@ impl<S: Store> ResultSave<S> {
             self.delay = (self.delay * 2).min(SAVE_MAX_DELAY);
             metrics::counter!(SAVE_RETRIES).increment(1);
         }
+    }
+}
+
+impl<S: Store> ResultSave<S> {
+    /// What a lost lease during the save means. After a `complete` whose
+    /// answer was lost, the lease is also "lost" when that very attempt
+    /// saved the result (the record is no longer in flight under our
+    /// fence), so the record is read back once: completed with exactly
+    /// this response is [`Saved::Stored`] — no other run owns the key, and
+    /// reporting a lost lease would raise a false alarm of a second run.
+    /// Otherwise (or when the read fails) [`Saved::LeaseLost`].
+    async fn lost(&self, maybe_saved: bool) -> Saved {
+        if maybe_saved {
+            if let Ok(Some(Record {
+                state: RecordState::Completed { response, .. },
+                ..
+            })) = self.store.get(&self.lease.scope, &self.lease.key).await
+            {
+                if response == self.response {
+                    tracing::info!(key = %self.lease.key, fence = self.lease.fence, "the result was saved by an attempt whose answer was lost");
+                    return Saved::Stored;
+                }
+            }
+        }
+        Saved::LeaseLost
     }
 }
 

@@ -390,6 +390,71 @@ pub async fn engine_wait_mode_replays<H: Harness>(h: &H) {
     );
 }
 
+/// A save whose `complete` applied but whose answer was lost (a client-side
+/// timeout cut it off): the retry's `extend` then finds the key no longer
+/// in flight under the fence. That is the run's own result, not a newer
+/// run: the outcome is [`Saved::Stored`], never a false [`Saved::LeaseLost`]
+/// (which would count and log a second run that never happened), and the
+/// key replays. A result replaced by another run's still reads as lost.
+pub async fn engine_save_whose_answer_was_lost_is_stored<H: Harness>(h: &H) {
+    let faulty = FaultyStore::new(h.store());
+    let lease = Duration::from_secs(5);
+    let engine = Engine::with_config(
+        faulty.clone(),
+        config(lease, Action::Hold(HoldReason::Cancelled)),
+    );
+    let (scope, key, r) = fresh_req("answer-lost", lease);
+    faulty.set_times(Op::Complete, Fault::TimeoutAfterApply, 1);
+    let out = engine
+        .execute(&scope, &key, fp("a"), |_| async move {
+            ((), Action::Store(response("saved once")))
+        })
+        .await
+        .expect("execute");
+    match out {
+        Outcome::Executed {
+            saved: Saved::Stored,
+            ..
+        } => {}
+        other => panic!("expected Saved::Stored, got {other:?}"),
+    }
+    assert_eq!(
+        faulty.calls(Op::Complete),
+        1,
+        "no second complete was needed"
+    );
+    expect_replay(&h.store(), &r, &response("saved once")).await;
+
+    // The same lost answer, but the key now holds another run's result.
+    let (scope, key, r) = fresh_req("answer-lost-other", lease);
+    let store = h.store();
+    let other = store.clone();
+    let other_key = (scope.clone(), key.clone());
+    faulty.set_times(Op::Complete, Fault::TimeoutAfterApply, 1);
+    let out = engine
+        .execute(&scope, &key, fp("a"), |lease| async move {
+            // Another run takes the key over and stores its own result
+            // (as after this run's lease ended).
+            other.release(&lease).await.expect("release");
+            let theirs = acquire(&other, &req(&other_key.0, &other_key.1, fp("a"), ms(5000))).await;
+            other
+                .complete(&theirs, &response("theirs"), Duration::from_secs(60))
+                .await
+                .expect("complete theirs");
+            ((), Action::Store(response("ours")))
+        })
+        .await
+        .expect("execute");
+    match out {
+        Outcome::Executed {
+            saved: Saved::LeaseLost,
+            ..
+        } => {}
+        other => panic!("expected Saved::LeaseLost, got {other:?}"),
+    }
+    expect_replay(&store, &r, &response("theirs")).await;
+}
+
 /// CASES A1, the default: a save that fails is retried (in the background
 /// after `save_wait`) while the lease is renewed, so a duplicate sees
 /// `InFlight` — never a second run — and gets the replay once the store

@@ -102,11 +102,16 @@ pub enum Fault {
     /// already on the wire when the store stalled). A caller that gives up
     /// meanwhile leaves the step applied.
     DelayAnswer(Duration),
+    /// Passes the call through, then answers [`StoreError::Timeout`]
+    /// whatever the store said: the step applied, the caller heard a
+    /// timeout (a client-side time limit cut the answer off).
+    TimeoutAfterApply,
 }
 
 impl Fault {
-    /// The error this fault returns for `op`; `None` for [`Fault::Hang`],
-    /// [`Fault::Delay`] and [`Fault::DelayAnswer`].
+    /// The error this fault returns for `op` instead of calling the inner
+    /// store; `None` for [`Fault::Hang`], [`Fault::Delay`],
+    /// [`Fault::DelayAnswer`] and [`Fault::TimeoutAfterApply`].
     pub fn error(self, op: Op) -> Option<StoreError> {
         let phase = op.phase();
         match self {
@@ -119,7 +124,9 @@ impl Fault {
             Fault::Full(detail) => Some(StoreError::Full {
                 detail: detail.to_owned(),
             }),
-            Fault::Hang | Fault::Delay(_) | Fault::DelayAnswer(_) => None,
+            Fault::Hang | Fault::Delay(_) | Fault::DelayAnswer(_) | Fault::TimeoutAfterApply => {
+                None
+            }
         }
     }
 }
@@ -261,9 +268,10 @@ impl<S> FaultyStore<S> {
     }
 
     /// What a call of `op` meets before it reaches the inner store: an
-    /// error, a hang, a delay, or nothing. `Ok(Some(d))`: pass through,
-    /// then hold the answer back for `d` ([`Fault::DelayAnswer`]).
-    async fn gate(&self, op: Op) -> Res<Option<Duration>> {
+    /// error, a hang, a delay, or nothing; `Ok(Some(fault))`: pass through,
+    /// then apply `fault` ([`Fault::DelayAnswer`],
+    /// [`Fault::TimeoutAfterApply`]) to the answer.
+    async fn gate(&self, op: Op) -> Res<Option<Fault>> {
         match self.take(op) {
             None => Ok(None),
             Some(Fault::Hang) => std::future::pending().await,
@@ -271,18 +279,23 @@ impl<S> FaultyStore<S> {
                 tokio::time::sleep(d).await;
                 Ok(None)
             }
-            Some(Fault::DelayAnswer(d)) => Ok(Some(d)),
+            Some(after @ (Fault::DelayAnswer(_) | Fault::TimeoutAfterApply)) => Ok(Some(after)),
             Some(fault) => Err(fault.error(op).expect("an error fault")),
         }
     }
 
     /// Runs `op`'s call through its gate, then hands back the inner
-    /// store's answer (late, for [`Fault::DelayAnswer`]).
+    /// store's answer (late for [`Fault::DelayAnswer`], replaced by a
+    /// timeout for [`Fault::TimeoutAfterApply`]).
     async fn pass<T>(&self, op: Op, call: impl std::future::Future<Output = Res<T>>) -> Res<T> {
-        let hold = self.gate(op).await?;
+        let after = self.gate(op).await?;
         let answer = call.await;
-        if let Some(d) = hold {
-            tokio::time::sleep(d).await;
+        match after {
+            Some(Fault::DelayAnswer(d)) => tokio::time::sleep(d).await,
+            Some(Fault::TimeoutAfterApply) => {
+                return Err(StoreError::Timeout { phase: op.phase() })
+            }
+            _ => {}
         }
         answer
     }

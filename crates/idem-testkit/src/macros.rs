@@ -70,6 +70,7 @@ macro_rules! conformance_tests {
                 engine_failed_save_holds_key,
                 engine_hold_marks_the_key_with_its_reason,
                 engine_failed_save_is_retried_until_it_lands,
+                engine_save_whose_answer_was_lost_is_stored,
                 engine_watchdog_keeps_lease_alive,
                 engine_wait_mode_replays,
                 engine_waiters_share_a_released_failure,
