@@ -649,6 +649,20 @@ mod group_commit_tests {
         tx
     }
 
+    /// One concurrent `begin` per key (same fingerprint, 1-minute lease).
+    fn spawn_begins(
+        store: &SqliteStore,
+        scope: &Scope,
+        keys: &[IdempotencyKey],
+    ) -> Vec<tokio::task::JoinHandle<Result<Begin, StoreError>>> {
+        keys.iter()
+            .map(|key| {
+                let (store, r) = (store.clone(), req(scope, key, fp("a"), MIN));
+                tokio::spawn(async move { store.begin(&r).await })
+            })
+            .collect()
+    }
+
     /// Waits (bounded) until `n` more steps than `before` reached the
     /// writer (which is stuck on the lock with the first of them).
     async fn until_submitted(store: &SqliteStore, before: u64, n: usize) {
@@ -677,13 +691,7 @@ mod group_commit_tests {
         keys.push(twin.clone());
         keys.push(twin.clone());
         let before = store.writer.commits();
-        let tasks: Vec<_> = keys
-            .iter()
-            .map(|key| {
-                let (store, r) = (store.clone(), req(&scope, key, fp("a"), MIN));
-                tokio::spawn(async move { store.begin(&r).await })
-            })
-            .collect();
+        let tasks = spawn_begins(&store, &scope, &keys);
         until_submitted(&store, submitted, keys.len()).await;
         blocker.rollback().await.expect("unlock");
         let mut acquired = Vec::new();
@@ -741,13 +749,7 @@ mod group_commit_tests {
         let keys: Vec<IdempotencyKey> = (0..10)
             .map(|i| fresh_key(if i == 5 { "poison" } else { "good" }))
             .collect();
-        let tasks: Vec<_> = keys
-            .iter()
-            .map(|key| {
-                let (store, r) = (store.clone(), req(&scope, key, fp("a"), MIN));
-                tokio::spawn(async move { store.begin(&r).await })
-            })
-            .collect();
+        let tasks = spawn_begins(&store, &scope, &keys);
         until_submitted(&store, submitted, keys.len()).await;
         blocker.rollback().await.expect("unlock");
         for (key, task) in keys.iter().zip(tasks) {
@@ -779,13 +781,7 @@ mod group_commit_tests {
         let scope = fresh_scope();
         let blocker = block_writes(&store).await;
         let keys: Vec<IdempotencyKey> = (0..6).map(|_| fresh_key("busy")).collect();
-        let tasks: Vec<_> = keys
-            .iter()
-            .map(|key| {
-                let (store, r) = (store.clone(), req(&scope, key, fp("a"), MIN));
-                tokio::spawn(async move { store.begin(&r).await })
-            })
-            .collect();
+        let tasks = spawn_begins(&store, &scope, &keys);
         for task in tasks {
             let got = task.await.expect("task");
             assert!(
